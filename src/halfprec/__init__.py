@@ -1,0 +1,1 @@
+"""halfprec: low-precision training template."""

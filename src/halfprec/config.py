@@ -1,0 +1,203 @@
+"""Validation of the composed config, before anything heavy is built.
+
+Hydra already rejects unknown group options and keys that are not in the composed config
+(struct mode). What it cannot know is ranges and cross-field rules; those are here, each a
+one-line error that names the key, the value and what would work.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "O0", "O1", "O2", "O3")
+SCALERS = ("auto", "none", "static", "dynamic")
+INITS = ("default", "kaiming", "xavier", "fixup")
+DATASETS = ("digits", "synthetic")
+SCHEDULES = ("constant", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. `str()` is the one line shown to the user."""
+
+    def __init__(self, key: str, value: Any, fix: str):
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"{key}={_show(value)}: {fix}")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _need(cfg: DictConfig, key: str, ok: Callable[[Any], bool], fix: str) -> Any:
+    value = OmegaConf.select(cfg, key, default=None)
+    if not ok(value):
+        raise ConfigError(key, value, fix)
+    return value
+
+
+def _one_of(cfg: DictConfig, key: str, choices: tuple, what: str = "") -> Any:
+    return _need(cfg, key, lambda v: v in choices, f"must be one of {', '.join(map(_show, choices))}{what}")
+
+
+def _int_at_least(cfg: DictConfig, key: str, low: int, meaning: str) -> int:
+    return _need(cfg, key, lambda v: _is_int(v) and v >= low, f"must be an integer >= {low} ({meaning})")
+
+
+def _positive(cfg: DictConfig, key: str, meaning: str, optional: bool = False) -> Any:
+    fix = f"must be a number > 0 ({meaning})" + (", or null" if optional else "")
+    return _need(cfg, key, lambda v: (optional and v is None) or (_is_num(v) and v > 0), fix)
+
+
+def _known_keys(cfg: DictConfig, group: str, allowed: list[str], owner: str) -> None:
+    for key in cfg[group]:
+        if key not in allowed:
+            raise ConfigError(
+                f"{group}.{key}", cfg[group][key], f"unknown key for {owner}; it takes: {', '.join(allowed)}"
+            )
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError on the first value that cannot work."""
+    from halfprec.models import MODELS  # light: factories import timm lazily
+
+    _int_at_least(cfg, "accum", 1, "micro-batches per optimizer step, e.g. accum=4")
+    _need(cfg, "seed", _is_int, "must be an integer")
+
+    # precision
+    _one_of(cfg, "precision.name", PRECISIONS)
+    _one_of(cfg, "precision.autocast", (None, "float16", "bfloat16"))
+    param_dtype = _one_of(cfg, "precision.param_dtype", DTYPE_NAMES)
+    update = _one_of(cfg, "precision.update", ("nearest", "kahan", "stochastic"))
+    if cfg.precision.autocast and param_dtype != "float32":
+        raise ConfigError(
+            "precision.autocast", cfg.precision.autocast, "autocast needs fp32 parameters; use null in pure modes"
+        )
+    if update == "stochastic" and param_dtype != "bfloat16":
+        raise ConfigError(
+            "precision.update", update, f"stochastic rounding is implemented for bfloat16 weights, not {param_dtype}"
+        )
+
+    # scaler
+    kind = _one_of(cfg, "scaler.kind", SCALERS)
+    if kind == "static":
+        _positive(cfg, "scaler.scale", "the fixed loss scale, e.g. 128")
+    if kind in ("auto", "dynamic"):
+        _positive(cfg, "scaler.init_scale", "the first loss scale, e.g. 65536")
+        _need(cfg, "scaler.growth_factor", lambda v: _is_num(v) and v > 1, "must be a number > 1, e.g. 2")
+        _need(cfg, "scaler.backoff_factor", lambda v: _is_num(v) and 0 < v < 1, "must be in (0, 1), e.g. 0.5")
+        _int_at_least(cfg, "scaler.growth_interval", 1, "clean steps before the scale grows")
+        _int_at_least(cfg, "scaler.hysteresis", 1, "overflows tolerated before backing off; 1 = torch's rule")
+        _positive(cfg, "scaler.min_scale", "the scale floor", optional=True)
+    _need(
+        cfg,
+        "scaler.max_consecutive_skips",
+        lambda v: v is None or (_is_int(v) and v >= 1),
+        "must be an integer >= 1 or null (never stop)",
+    )
+
+    # model and init
+    arch = _one_of(cfg, "model.arch", tuple(MODELS), " (models registered in halfprec.models)")
+    _known_keys(cfg, "model", ["arch", *MODELS[arch].arguments()], f"model.arch={arch}")
+    scheme = _one_of(cfg, "init.scheme", INITS)
+    if scheme == "fixup" and not MODELS[arch].residual:
+        residual = ", ".join(f"model={name}" for name, entry in MODELS.items() if entry.residual)
+        raise ConfigError("init", "fixup", f"model={arch} has no residual branches; Fixup supports {residual}")
+    if scheme == "kaiming":
+        _one_of(cfg, "init.conv_mode", ("fan_in", "fan_out"))
+        _one_of(cfg, "init.linear_mode", ("fan_in", "fan_out"))
+        _one_of(cfg, "init.distribution", ("normal", "uniform"))
+    if scheme == "xavier":
+        _one_of(cfg, "init.distribution", ("normal", "uniform"))
+    _positive(cfg, "init.scalar_lr_scale", "lr multiplier of Fixup's scalar biases", optional=True)
+
+    # data
+    name = _one_of(cfg, "data.name", DATASETS)
+    _int_at_least(cfg, "data.batch_size", 1, "the micro-batch size; effective batch = batch_size * accum")
+    from halfprec import data  # light: sklearn is imported inside load_digits
+
+    loader = data.load_digits if name == "digits" else data.make_synthetic
+    _known_keys(cfg, "data", ["name", "batch_size", *inspect.signature(loader).parameters], f"data={name}")
+    if name == "digits":
+        _need(cfg, "data.val_size", lambda v: _is_int(v) and 1 <= v < 1797, "must be an integer in [1, 1796]")
+        limit = 1797 - cfg.data.val_size
+    else:
+        _int_at_least(cfg, "data.num_train", 1, "training samples")
+        _int_at_least(cfg, "data.num_val", 1, "validation samples")
+        limit = cfg.data.num_train
+    if cfg.data.batch_size > limit:
+        raise ConfigError("data.batch_size", cfg.data.batch_size, f"must be <= the {limit} training samples")
+
+    # optimizer and schedule
+    _need(cfg, "optim._target_", lambda v: isinstance(v, str) and "." in v, "must name an optimizer class")
+    _positive(cfg, "optim.lr", "the peak learning rate")
+    _positive(cfg, "optim.clip_grad_norm", "max global grad norm", optional=True)
+    _one_of(cfg, "sched.name", SCHEDULES)
+    _int_at_least(cfg, "sched.warmup_steps", 0, "linear warmup steps")
+    if cfg.sched.name == "cosine":
+        _need(cfg, "sched.min_lr_ratio", lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
+
+    # logger and trainer
+    _one_of(cfg, "logger.kind", ("wandb", "none"))
+    if cfg.logger.kind == "wandb":
+        _one_of(cfg, "logger.mode", ("offline", "online", "disabled"), " (or set WANDB_MODE)")
+    _int_at_least(cfg, "trainer.max_steps", 1, "optimizer steps to run")
+    _int_at_least(cfg, "trainer.log_every", 1, "optimizer steps between metric rows")
+    _int_at_least(cfg, "trainer.val_every", 0, "optimizer steps between validations; 0 = only at the end")
+    _one_of(cfg, "trainer.device", DEVICES)
+    _need(
+        cfg,
+        "trainer.inject_nonfinite_at",
+        lambda v: isinstance(v, ListConfig) and all(_is_int(s) and s >= 1 for s in v),
+        "must be a list of optimizer steps (1-based), e.g. [3]",
+    )
+
+
+def validate_optimizer(cfg: DictConfig) -> None:
+    """Check optim.* against the optimizer's own signature (imports torch)."""
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(cfg.optim._target_)
+    except Exception:
+        raise ConfigError("optim._target_", cfg.optim._target_, "no such class; e.g. torch.optim.SGD") from None
+    allowed = ["_target_", "clip_grad_norm", *(p for p in inspect.signature(cls).parameters if p != "params")]
+    _known_keys(cfg, "optim", allowed, cls.__name__)
+
+
+def resolve_device(cfg: DictConfig):
+    """The torch.device to train on, after checking that the precision mode works there."""
+    import torch
+
+    want = cfg.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device", want, "no CUDA GPU is visible here; use trainer.device=auto or cpu")
+    device = torch.device("cuda" if want == "auto" and torch.cuda.is_available() else want.replace("auto", "cpu"))
+    p = cfg.precision
+    if p.tf32 and device.type != "cuda":
+        raise ConfigError(
+            "precision", p.name, "TF32 is a CUDA (Ampere+) matmul mode; on CPU it would silently be fp32: use fp32"
+        )
+    uses_bf16 = "bfloat16" in (p.autocast, p.param_dtype)
+    if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision", p.name, "this GPU has no bfloat16 support; use fp16 or fp16_pure")
+    return device

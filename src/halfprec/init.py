@@ -1,0 +1,95 @@
+"""Weight init schemes: default (the model's own), kaiming, xavier, fixup."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from halfprec.precision import COMPUTE_TYPES, NORM_TYPES
+
+
+class InitError(ValueError):
+    """The init scheme cannot be applied to this model."""
+
+
+def init_kaiming(
+    model: nn.Module,
+    conv_mode: str = "fan_out",
+    linear_mode: str = "fan_in",
+    nonlinearity: str = "relu",
+    distribution: str = "normal",
+    zero_init_last: bool = False,
+) -> None:
+    """He et al. 2015: std = gain / sqrt(fan); biases zero, norms (1, 0)."""
+    fill = nn.init.kaiming_normal_ if distribution == "normal" else nn.init.kaiming_uniform_
+    for m in model.modules():
+        if isinstance(m, COMPUTE_TYPES):
+            mode = linear_mode if isinstance(m, nn.Linear) else conv_mode
+            fill(m.weight, mode=mode, nonlinearity=nonlinearity)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, NORM_TYPES) and getattr(m, "weight", None) is not None:
+            nn.init.ones_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    if zero_init_last:
+        _zero_init_last(model)
+
+
+def init_xavier(model: nn.Module, distribution: str = "uniform", gain: float = 1.0) -> None:
+    """Glorot & Bengio 2010: var = 2 gain^2 / (fan_in + fan_out); biases zero."""
+    fill = nn.init.xavier_uniform_ if distribution == "uniform" else nn.init.xavier_normal_
+    for m in model.modules():
+        if isinstance(m, COMPUTE_TYPES):
+            fill(m.weight, gain=gain)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+def init_fixup(model: nn.Module) -> None:
+    """Zhang et al. 2019, as in the authors' code.
+
+    With L residual branches of m weight layers each: the last layer of every branch and the
+    classifier start at zero, the other branch layers get He init (fan_out) times
+    L^(-1/(2m-2)); the scalar biases start at 0 and the branch multipliers at 1. The stem keeps
+    the model's default init.
+    """
+    blocks = model.residual_blocks() if hasattr(model, "residual_blocks") else []
+    if not blocks:
+        raise InitError(f"init=fixup needs a model with residual branches; {type(model).__name__} has none")
+    depth = len(blocks)
+    for block in blocks:
+        layers = block.branch_layers
+        m = len(layers)
+        factor = depth ** (-1.0 / (2 * m - 2))
+        for layer in layers[:-1]:
+            w = layer.weight
+            fan_out = w.shape[0] * math.prod(w.shape[2:])
+            nn.init.normal_(w, mean=0.0, std=math.sqrt(2.0 / fan_out) * factor)
+        nn.init.zeros_(layers[-1].weight)
+        for name, p in block.named_parameters(recurse=False):
+            nn.init.constant_(p, 1.0 if name == "scale" else 0.0)
+    nn.init.zeros_(model.classifier.weight)
+    nn.init.zeros_(model.classifier.bias)
+
+
+def _zero_init_last(model: nn.Module) -> None:
+    blocks = [m for m in model.modules() if hasattr(m, "zero_init_last") and m is not model]
+    if not blocks:
+        raise InitError(f"init.zero_init_last=true: {type(model).__name__} has no residual blocks to zero")
+    for block in blocks:
+        block.zero_init_last()
+
+
+def apply_init(model: nn.Module, cfg) -> None:
+    """Apply `cfg.scheme` with the rest of `cfg` as arguments (`scalar_lr_scale` is the optimizer's)."""
+    kwargs = {k: v for k, v in cfg.items() if k not in ("scheme", "scalar_lr_scale")}
+    with torch.no_grad():
+        if cfg.scheme == "kaiming":
+            init_kaiming(model, **kwargs)
+        elif cfg.scheme == "xavier":
+            init_xavier(model, **kwargs)
+        elif cfg.scheme == "fixup":
+            init_fixup(model, **kwargs)

@@ -1,0 +1,44 @@
+"""Model registry: `model.arch` names a factory; the rest of `model.*` are its keyword arguments.
+
+Every factory takes `input_shape` (C, H, W) and `num_classes` from the data, so a model config
+never repeats them. Add a model: write a factory, decorate it with `@register_model("name")`,
+import its module below, and add `conf/model/name.yaml` with `arch: name`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    factory: Callable[..., nn.Module]
+    residual: bool  # has residual branches, so init=fixup applies
+
+    def arguments(self) -> list[str]:
+        skip = {"input_shape", "num_classes"}
+        return [n for n in inspect.signature(self.factory).parameters if n not in skip]
+
+
+MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str, residual: bool = False):
+    def add(factory):
+        MODELS[name] = ModelEntry(factory, residual)
+        return factory
+
+    return add
+
+
+def create_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    kwargs = {k: v for k, v in cfg.items() if k != "arch"}
+    return MODELS[cfg.arch].factory(input_shape=tuple(input_shape), num_classes=num_classes, **kwargs)
+
+
+# Registration happens on import; these modules import nothing heavy at module level.
+from halfprec.models import fixup_resnet, mlp, timm_model  # noqa: E402,F401

@@ -1,0 +1,19 @@
+"""Any timm model, built without downloading weights unless the config asks for them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from halfprec.models import register_model
+
+
+@register_model("timm", residual=False)
+def create_timm_model(
+    input_shape: tuple[int, ...], num_classes: int, name: str = "resnet18", pretrained: bool = False, kwargs=None
+) -> nn.Module:
+    """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through."""
+    import timm  # ~2 s to import: only when a timm model is asked for
+
+    return timm.create_model(
+        name, pretrained=pretrained, in_chans=input_shape[0], num_classes=num_classes, **dict(kwargs or {})
+    )

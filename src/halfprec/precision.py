@@ -1,0 +1,259 @@
+"""Precision policy: the dtype the forward computes in, the dtype parameters are stored in,
+which modules stay fp32, and how an optimizer update reaches low-precision parameters."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Normalization statistics are sums of many squares: in fp16 they overflow or lose the mean.
+# apex O2 and fairseq keep them in fp32; so do we (`precision.keep_norm_fp32`).
+NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
+COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
+
+
+class PrecisionMismatch(RuntimeError):
+    """The model did not compute, or store its weights, in the dtype the config asked for."""
+
+
+@dataclass
+class PrecisionPolicy:
+    name: str
+    autocast_dtype: torch.dtype | None  # None: no autocast
+    param_dtype: torch.dtype
+    master_weights: bool  # fp32 copies for the optimizer (pure modes only)
+    update: str  # nearest | kahan | stochastic: how an update is rounded into low-precision weights
+    keep_norm_fp32: bool
+    tf32: bool
+    device_type: str = "cpu"
+
+    @classmethod
+    def from_config(cls, cfg, device_type: str) -> PrecisionPolicy:
+        return cls(
+            name=cfg.name,
+            autocast_dtype=DTYPES[cfg.autocast] if cfg.autocast else None,
+            param_dtype=DTYPES[cfg.param_dtype],
+            master_weights=bool(cfg.master_weights),
+            update=cfg.update,
+            keep_norm_fp32=bool(cfg.keep_norm_fp32),
+            tf32=bool(cfg.tf32),
+            device_type=device_type,
+        )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.autocast_dtype or self.param_dtype
+
+    @property
+    def is_pure(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    @property
+    def uses_fp16(self) -> bool:
+        return torch.float16 in (self.autocast_dtype, self.param_dtype)
+
+    def apply_backend_flags(self) -> None:
+        """TF32 is process-wide in torch; set it explicitly so fp32 really means fp32."""
+        if self.device_type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            torch.backends.cudnn.allow_tf32 = self.tf32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def cast_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_pure and x.is_floating_point():
+            return x.to(self.param_dtype)
+        return x
+
+    def prepare_model(self, model: nn.Module) -> list[nn.Module]:
+        """Cast the model to the parameter dtype; return the modules kept in fp32."""
+        if not self.is_pure:
+            return []
+        model.to(self.param_dtype)
+        kept = []
+        if self.keep_norm_fp32:
+            for module in model.modules():
+                if isinstance(module, NORM_TYPES):
+                    module.float()
+                    module.register_forward_pre_hook(_inputs_to_fp32)
+                    module.register_forward_hook(_output_to(self.param_dtype))
+                    kept.append(module)
+        return kept
+
+    def check(self, model: nn.Module, observed: set[torch.dtype], master: list[torch.Tensor]) -> dict:
+        """Compare what the first step really did against the policy; raise on a mismatch."""
+        expected = self.compute_dtype
+        if observed != {expected}:
+            got = ", ".join(sorted(_name(d) for d in observed)) or "nothing (no Linear/Conv layer ran)"
+            raise PrecisionMismatch(
+                f"precision={self.name}: Linear/Conv layers computed in {got}, expected {_name(expected)}; "
+                "a module may disable autocast or cast its own inputs"
+            )
+        weights = {m.weight.dtype for m in model.modules() if isinstance(m, COMPUTE_TYPES)}
+        if weights and weights != {self.param_dtype}:
+            raise PrecisionMismatch(
+                f"precision={self.name}: Linear/Conv weights are stored in "
+                f"{', '.join(sorted(_name(d) for d in weights))}, expected {_name(self.param_dtype)}"
+            )
+        master_dtypes = {t.dtype for t in master}
+        if self.master_weights and master_dtypes != {torch.float32}:
+            raise PrecisionMismatch(f"precision={self.name}: master weights are not fp32")
+        return {
+            "precision/compute_dtype": _name(expected),
+            "precision/param_dtype": _name(self.param_dtype),
+            "precision/master_dtype": "float32" if self.master_weights or not self.is_pure else "none",
+        }
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _inputs_to_fp32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _output_to(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, output):
+        return output.to(dtype) if torch.is_tensor(output) else output
+
+    return hook
+
+
+@contextlib.contextmanager
+def observe_compute_dtypes(model: nn.Module) -> Iterator[set[torch.dtype]]:
+    """Collect the output dtypes of every Linear/Conv layer that runs inside the block."""
+    seen: set[torch.dtype] = set()
+    handles = [
+        m.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+        for m in model.modules()
+        if isinstance(m, COMPUTE_TYPES)
+    ]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to bf16 up or down with probability proportional to the distance.
+
+    bf16 is the top 16 bits of fp32: adding uniform noise to the 16 bits that are dropped
+    and truncating rounds each magnitude up with exactly that probability.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class OptimizerParams:
+    """The tensors the optimizer steps, and how gradients and updates move between them and the model.
+
+    - fp32 parameters (fp32, tf32, autocast modes): the optimizer steps the model's own
+      parameters; gradients are unscaled in place.
+    - master weights (pure modes): the optimizer owns fp32 copies; scaled low-precision
+      gradients are unscaled into fp32 master gradients (torch's GradScaler refuses fp16
+      gradients, so this is done here), and each update is copied back, rounded, to the model.
+    - low-precision parameters without master weights: for the step, each parameter is
+      upcast to fp32, so optimizer math and state are fp32, and the result is rounded back
+      with `update` = nearest (what `.half()` training does: small updates vanish), kahan
+      (a low-precision compensation buffer carries the rounding error into the next step) or
+      stochastic (unbiased rounding, bf16 only).
+    """
+
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.model_params = [p for _, p in named]
+        self.policy = policy
+        self.mode = "fp32" if not policy.is_pure else ("master" if policy.master_weights else "lowp")
+        if self.mode == "master":
+            self.params = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        else:
+            self.params = self.model_params
+        self.kahan = (
+            [torch.zeros_like(p) for p in self.model_params]
+            if self.mode == "lowp" and policy.update == "kahan"
+            else None
+        )
+        self._lowp_before: list[torch.Tensor] = []
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name in the model, tensor the optimizer steps) pairs, for param groups."""
+        return list(zip(self.names, self.params))
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        return self.params if self.mode == "master" else []
+
+    def unscale_(self, inv_scale: float) -> list[torch.Tensor]:
+        """Unscale the model's gradients into the optimizer's parameters; return those gradients."""
+        if self.mode == "fp32":
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if inv_scale != 1.0 and grads:
+                torch._foreach_mul_(grads, inv_scale)
+            return grads
+        if self.mode == "master":
+            for m, p in zip(self.params, self.model_params):
+                m.grad = None if p.grad is None else p.grad.float().mul_(inv_scale)
+                p.grad = None
+            return [m.grad for m in self.params if m.grad is not None]
+        # lowp: swap in fp32 storage for the duration of the update (see finish_)
+        self._lowp_before = [p.data for p in self.params]
+        for p in self.params:
+            grad = None if p.grad is None else p.grad.float().mul_(inv_scale)
+            p.grad = None
+            p.data = p.data.float()
+            p.grad = grad
+        return [p.grad for p in self.params if p.grad is not None]
+
+    @torch.no_grad()
+    def finish_(self, stepped: bool) -> None:
+        """After the optimizer step (or the skip): bring the update into the model's weights."""
+        if self.mode == "master":
+            if stepped:
+                for m, p in zip(self.params, self.model_params):
+                    p.copy_(m)
+            for m in self.params:
+                m.grad = None
+        elif self.mode == "lowp":
+            for i, (p, before) in enumerate(zip(self.params, self._lowp_before)):
+                p.grad = None
+                if not stepped:
+                    p.data = before
+                elif self.policy.update == "stochastic":
+                    p.data = stochastic_round_to_bf16(p.data)
+                elif self.kahan is not None:
+                    # Kahan summation: add the update minus the error carried from last time,
+                    # then remember what this rounding dropped.
+                    y = (p.data - before.float()) - self.kahan[i].float()
+                    rounded = (before.float() + y).to(before.dtype)
+                    self.kahan[i].copy_((rounded.float() - before.float()) - y)
+                    p.data = rounded
+                else:
+                    p.data = p.data.to(before.dtype)
+            self._lowp_before = []
+
+    def state_dict(self) -> dict:
+        return {
+            "master": [m.detach().clone() for m in self.master],
+            "kahan": [c.clone() for c in self.kahan] if self.kahan is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for m, saved in zip(self.master, state["master"]):
+                m.copy_(saved)
+            if self.kahan is not None and state["kahan"] is not None:
+                for c, saved in zip(self.kahan, state["kahan"]):
+                    c.copy_(saved)

@@ -1,0 +1,178 @@
+"""Loss scalers: none, static and dynamic (with hysteresis, a floor and a skip-storm stop).
+
+The scale is a host-side float. The optimizer step already needs one host sync to decide
+whether to skip, so keeping the state machine on the host costs nothing extra and makes it
+readable, checkpointable and exactly testable. We do not wrap torch.amp.GradScaler because it
+refuses fp16 gradients (pure fp16), has no hysteresis or floor, and exposes skips only through
+private state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot usefully continue; the message says why and what to try."""
+
+
+class LossScaler:
+    """No scaling (scale 1). Still counts non-finite steps, which are skipped."""
+
+    kind = "none"
+
+    def __init__(self, max_consecutive_skips: int | None = None, window: int = 100):
+        self.scale = 1.0
+        self.max_consecutive_skips = max_consecutive_skips
+        self.steps = 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.growths = 0
+        self.backoffs = 0
+        self.min_seen = self.scale
+        self.max_seen = self.scale
+        self.recent = deque(maxlen=window)  # 1 per overflowed step, for scaler/overflow_rate
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scale == 1.0 else loss * self.scale
+
+    def update(self, found_inf: bool) -> None:
+        """Call exactly once per optimizer step, after the step was taken or skipped."""
+        self.steps += 1
+        self.recent.append(int(found_inf))
+        if found_inf:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+        else:
+            self.consecutive_skips = 0
+        self._update_scale(found_inf)
+        self.min_seen = min(self.min_seen, self.scale)
+        self.max_seen = max(self.max_seen, self.scale)
+        limit = self.max_consecutive_skips
+        if limit is not None and self.consecutive_skips >= limit:
+            raise TrainingAborted(
+                f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients "
+                f"(scaler.max_consecutive_skips={limit}, loss scale now {self.scale:g}); the run is "
+                "diverging, not overflowing: lower optim.lr, set optim.clip_grad_norm, try init=fixup "
+                "or precision=bf16"
+            )
+
+    def _update_scale(self, found_inf: bool) -> None:
+        pass
+
+    @property
+    def overflow_rate(self) -> float:
+        return sum(self.recent) / len(self.recent) if self.recent else 0.0
+
+    def metrics(self) -> dict:
+        return {
+            "scaler/scale": self.scale,
+            "scaler/skipped_steps": self.skipped_steps,
+            "scaler/growths": self.growths,
+            "scaler/backoffs": self.backoffs,
+            "scaler/overflow_rate": self.overflow_rate,
+        }
+
+    def state_dict(self) -> dict:
+        state = {k: v for k, v in vars(self).items() if k != "recent"}
+        state["recent"] = list(self.recent)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            if k == "recent":
+                self.recent = deque(v, maxlen=self.recent.maxlen)
+            else:
+                setattr(self, k, v)
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed scale: overflowed steps are skipped and counted, the scale never moves."""
+
+    kind = "static"
+
+    def __init__(self, scale: float = 128.0, max_consecutive_skips: int | None = None):
+        super().__init__(max_consecutive_skips)
+        self.scale = self.min_seen = self.max_seen = float(scale)
+
+
+class DynamicLossScaler(LossScaler):
+    """torch.amp.GradScaler's rule, plus hysteresis and a floor.
+
+    On an overflow the scale is multiplied by `backoff_factor`, but only once `hysteresis`
+    overflows have happened since the scale last grew (hysteresis=1 is torch's behaviour; the
+    allowance refills when the scale grows, as in Megatron and DeepSpeed). After
+    `growth_interval` clean steps in a row the scale is multiplied by `growth_factor`.
+    A back-off never takes the scale below `min_scale`; an overflow while the scale is already
+    at that floor stops the run, since such gradients are non-finite, not just large.
+    """
+
+    kind = "dynamic"
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_consecutive_skips: int | None = None,
+    ):
+        super().__init__(max_consecutive_skips)
+        self.scale = self.min_seen = self.max_seen = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.growth_tracker = 0
+        self.hysteresis_left = hysteresis
+
+    def _update_scale(self, found_inf: bool) -> None:
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_left -= 1
+            if self.hysteresis_left > 0:
+                return
+            self.hysteresis_left = self.hysteresis
+            if self.min_scale is not None and self.scale <= self.min_scale:
+                raise TrainingAborted(
+                    f"the loss scale is at its floor (scaler.min_scale={self.min_scale:g}) and step "
+                    f"{self.steps} still overflowed: the gradients are non-finite at any scale; "
+                    "lower optim.lr, set optim.clip_grad_norm, try init=fixup or precision=bf16"
+                )
+            self.scale *= self.backoff_factor
+            if self.min_scale is not None:
+                self.scale = max(self.scale, self.min_scale)
+            self.backoffs += 1
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+                self.hysteresis_left = self.hysteresis
+                self.growths += 1
+
+
+def build_scaler(cfg, uses_fp16: bool) -> LossScaler:
+    """Build the scaler that `cfg.kind` names; `auto` is dynamic for fp16 modes, none otherwise."""
+    kind = cfg.kind
+    if kind == "auto":
+        kind = "dynamic" if uses_fp16 else "none"
+    skips = cfg.max_consecutive_skips
+    if kind == "none":
+        return LossScaler(skips)
+    if kind == "static":
+        return StaticLossScaler(cfg.scale, skips)
+    return DynamicLossScaler(
+        init_scale=cfg.init_scale,
+        growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor,
+        growth_interval=cfg.growth_interval,
+        hysteresis=cfg.hysteresis,
+        min_scale=cfg.min_scale,
+        max_consecutive_skips=skips,
+    )

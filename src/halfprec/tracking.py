@@ -1,0 +1,94 @@
+"""Metric sinks: metrics.jsonl in the run dir (always) and a W&B run (when the logger is on)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class JsonlSink:
+    """One JSON object per line, flushed per row so a crash loses nothing already logged."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self._file.close()
+
+
+class WandbSink:
+    """A W&B run under `<run dir>/wandb/`, carrying the resolved config, finished exactly once."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, name: str, group: str | None, tags: list[str]):
+        import wandb  # only when the logger is on
+
+        self.run = wandb.init(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            mode=cfg.logger.mode,
+            dir=str(run_dir),
+            name=name,
+            group=group,
+            job_type=cfg.logger.job_type,
+            tags=[*tags, *cfg.logger.tags],
+            config=OmegaConf.to_container(cfg, resolve=True),
+            settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
+        )
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update(summary)
+        self.run.finish(exit_code=summary.get("exit_code", 0))
+
+
+class Tracker:
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, row: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(row)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.finish(summary)
+
+
+def run_identity(run_dir: Path) -> tuple[str, str | None, list[str]]:
+    """W&B name, group and tags from Hydra: named by the job's overrides, grouped by the sweep,
+    tagged with every chosen group option (`precision:bf16`) so the UI can filter by each."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except ValueError:  # run() called outside Hydra (tests, notebooks)
+        return run_dir.name, None, []
+    name = hc.job.override_dirname or "defaults"
+    group = None
+    if hc.mode == RunMode.MULTIRUN:
+        group = os.path.relpath(hc.sweep.dir, "outputs") if not os.path.isabs(hc.sweep.dir) else hc.sweep.dir
+        group = group.replace(os.sep, "_")
+        name = f"{hc.job.num}_{name}"
+    tags = [f"{k}:{v}" for k, v in sorted(hc.runtime.choices.items()) if v and not k.startswith("hydra")]
+    return name, group, tags
+
+
+def build_tracker(cfg: DictConfig, run_dir: Path) -> Tracker:
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+    if cfg.logger.kind == "wandb":
+        name, group, tags = run_identity(run_dir)
+        sinks.append(WandbSink(cfg, run_dir, name, group, tags))
+    return Tracker(sinks)

@@ -1,0 +1,27 @@
+"""Entry point: `python train.py [overrides]`, `python train.py -m [sweeps]`. See README.md."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from halfprec.config import ConfigError, validate
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    try:
+        validate(cfg)  # before torch-heavy work: a bad value fails in a second, not after a build
+        from halfprec.train import run
+
+        from hydra.core.hydra_config import HydraConfig
+
+        summary = run(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return summary["val/acc"]  # the sweep metric (Optuna maximizes it)
+
+
+if __name__ == "__main__":
+    main()
