@@ -6,6 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from halfprec.config import ConfigError, validate
+from halfprec.scaling import TrainingAborted
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -20,6 +21,9 @@ def main(cfg: DictConfig) -> float:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except TrainingAborted as err:
+        print(f"error: training stopped: {err}", file=sys.stderr)
+        sys.exit(3)
     return summary["val/acc"]  # the sweep metric (Optuna maximizes it)
 
 

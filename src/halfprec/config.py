@@ -149,7 +149,7 @@ def validate(cfg: DictConfig) -> None:
 
     # optimizer and schedule
     _need(cfg, "optim._target_", lambda v: isinstance(v, str) and "." in v, "must name an optimizer class")
-    _positive(cfg, "optim.lr", "the peak learning rate")
+    _need(cfg, "optim.lr", lambda v: _is_num(v) and v >= 0, "must be a number >= 0 (the peak learning rate)")
     _positive(cfg, "optim.clip_grad_norm", "max global grad norm", optional=True)
     _one_of(cfg, "sched.name", SCHEDULES)
     _int_at_least(cfg, "sched.warmup_steps", 0, "linear warmup steps")

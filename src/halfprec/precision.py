@@ -40,7 +40,7 @@ class PrecisionPolicy:
             autocast_dtype=DTYPES[cfg.autocast] if cfg.autocast else None,
             param_dtype=DTYPES[cfg.param_dtype],
             master_weights=bool(cfg.master_weights),
-            update=cfg.update,
+            update=cfg["update"],  # not cfg.update: that is DictConfig.update()
             keep_norm_fp32=bool(cfg.keep_norm_fp32),
             tf32=bool(cfg.tf32),
             device_type=device_type,

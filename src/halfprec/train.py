@@ -7,6 +7,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -76,14 +77,26 @@ def evaluate(model: nn.Module, data: Dataset, policy: PrecisionPolicy, batch_siz
     return {"val/loss": loss_sum.item() / n, "val/acc": correct.item() / n}
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Train as `cfg` says, writing metrics under `run_dir`. Returns the final metrics."""
+@dataclass
+class Components:
+    """Everything a training run is built from; `build(cfg)` makes it, tests and forks reuse it."""
+
+    model: nn.Module
+    data: Dataset
+    policy: PrecisionPolicy
+    params: OptimizerParams
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
+    device: torch.device
+
+
+def build(cfg: DictConfig) -> Components:
+    """Validate `cfg`, seed, and build model, precision policy, optimizer, schedule and scaler."""
     validate(cfg)
     validate_optimizer(cfg)
     device = resolve_device(cfg)
-    run_dir = Path(run_dir)
     seed_everything(cfg.seed, cfg.trainer.deterministic)
-
     data = build_dataset(cfg.data)
     model = create_model(cfg.model, data.input_shape, data.num_classes)
     apply_init(model, cfg.init)
@@ -95,18 +108,24 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     optimizer = build_optimizer(cfg, params, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = build_scaler(cfg.scaler, policy.uses_fp16)
-    batches = Batches(data.train, cfg.data.batch_size, cfg.seed, device)
+    return Components(model, data, policy, params, optimizer, scheduler, scaler, device)
 
-    tracker = build_tracker(cfg, run_dir)
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Train as `cfg` says, writing metrics under `run_dir`. Returns the final metrics."""
+    c = build(cfg)
+    batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device)
+    tracker = build_tracker(cfg, Path(run_dir))
     summary: dict = {"exit_code": 1}
     try:
-        summary = train_loop(cfg, model, data, batches, optimizer, scheduler, scaler, policy, params, tracker, device)
+        summary = train_loop(cfg, c, batches, tracker)
     finally:
         tracker.finish(summary)
     return summary
 
 
-def train_loop(cfg, model, data, batches, optimizer, scheduler, scaler: LossScaler, policy, params, tracker, device):
+def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dict:
+    model, data, policy, params, scaler, device = c.model, c.data, c.policy, c.params, c.scaler, c.device
     t = cfg.trainer
     accum, batch = cfg.accum, cfg.data.batch_size
     inject = set(t.inject_nonfinite_at)
@@ -124,7 +143,7 @@ def train_loop(cfg, model, data, batches, optimizer, scheduler, scaler: LossScal
             watch = observe_compute_dtypes(model) if step == 1 else contextlib.nullcontext()
             with watch as seen:
                 result = optimizer_step(
-                    model, micro, optimizer, scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
+                    model, micro, c.optimizer, c.scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
                 )
             if step == 1:  # never silently train in another precision than asked
                 dtypes = policy.check(model, seen, params.master)
@@ -137,7 +156,7 @@ def train_loop(cfg, model, data, batches, optimizer, scheduler, scaler: LossScal
                 n = step - last_step
                 row = {
                     "train/loss": (loss_sum / n).item(),
-                    "train/lr": optimizer.param_groups[0]["lr"],
+                    "train/lr": c.optimizer.param_groups[0]["lr"],
                     "train/grad_norm": result.grad_norm.item(),
                     "scaler/skipped": scaler.skipped_steps - skipped_at_last_row,
                     **scaler.metrics(),

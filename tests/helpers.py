@@ -1,0 +1,36 @@
+"""In-process helpers: compose the real config and build the real components, as train.py does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from halfprec.train import Components, build
+from halfprec.step import optimizer_step
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
+def build_from(*overrides: str) -> tuple[Components, object]:
+    cfg = compose_cfg(*overrides)
+    return build(cfg), cfg
+
+
+def step(c: Components, micro, clip=None):
+    return optimizer_step(c.model, micro, c.optimizer, c.scheduler, c.scaler, c.policy, c.params, clip)
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def batch(n: int, seed: int = 0, shape=(1, 8, 8), classes: int = 10):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)

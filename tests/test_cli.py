@@ -1,0 +1,316 @@
+"""`train.py` as users run it: every config option, the promised commands, bad values, metrics, W&B.
+
+The option matrix runs in-process (Hydra's compose API + `halfprec.train.run`, ~0.1 s a run);
+everything about the command line itself is a real `python train.py ...` subprocess, started
+together on a 2-worker pool because each one pays ~8 s of imports (torch, sklearn, wandb).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import wandb_records
+from conftest import CHEAP, CONF, read_jsonl
+
+# ---------------------------------------------------------------------------------------------
+# Every option of every config group composes and trains a few steps
+# ---------------------------------------------------------------------------------------------
+
+# Discovered from conf/, so a new option file is covered without touching this file. `hydra` is
+# Hydra's own run/sweep dir layout, exercised by every subprocess test below.
+OPTIONS = [
+    f"{group.name}={option.stem}"
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+    for option in sorted(group.glob("*.yaml"))
+]
+# Options that only work together with another choice.
+NEEDS = {"init=fixup": ["model=fixup_resnet"]}
+# Scaler options are only meaningful where the loss is scaled: run them in fp16.
+GROUP_CONTEXT = {"scaler": ["precision=fp16"]}
+# Small versions of each model (fp16 autocast on CPU is slow; timm's resnet18 is 11M parameters).
+TINY = {
+    "mlp": ["model.hidden=[16]"],
+    "fixup_resnet": ["model.blocks_per_stage=1", "model.widths=[4,8,8]"],
+    "timm": ["model.name=test_resnet"],
+}
+# The dtypes each precision option must really compute in and store Linear/Conv weights in.
+# An option not listed here is held to what its own config says.
+DTYPES = {
+    "fp32": ("float32", "float32"),
+    "tf32": ("float32", "float32"),
+    "O0": ("float32", "float32"),
+    "fp16": ("float16", "float32"),
+    "O1": ("float16", "float32"),
+    "bf16": ("bfloat16", "float32"),
+    "fp16_pure": ("float16", "float16"),
+    "O2": ("float16", "float16"),
+    "O3": ("float16", "float16"),
+    "bf16_pure": ("bfloat16", "bfloat16"),
+}
+NO_CUDA = not torch.cuda.is_available()
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def option_overrides(option: str) -> list[str]:
+    group = option.split("=")[0]
+    overrides = [option, *NEEDS.get(option, []), *GROUP_CONTEXT.get(group, [])]
+    model = next((o.split("=")[1] for o in overrides if o.startswith("model=")), "mlp")
+    logger = [] if group == "logger" else ["logger=none"]
+    return [*overrides, *TINY.get(model, []), *logger, *CHEAP, "trainer.log_every=1", "trainer.progress=false"]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        pytest.param(o, marks=pytest.mark.skipif(NO_CUDA, reason="TF32 is CUDA-only; CPU failure: test_bad_value"))
+        if o == "precision=tf32"
+        else o
+        for o in OPTIONS
+    ],
+)
+def test_every_config_option_trains(option, tmp_path):
+    from halfprec.train import run
+
+    cfg = compose_cfg(option_overrides(option))
+    summary = run(cfg, tmp_path)
+
+    assert summary["exit_code"] == 0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    assert all(math.isfinite(r["train/loss"]) for r in train_rows), train_rows
+    assert 0 <= rows[-1]["val/acc"] <= 1
+    assert summary["scaler/skipped_steps"] == 0, "a tiny model's first steps must not overflow"
+
+    group, name = option.split("=")
+    first = rows[0]
+    if group == "precision":
+        p = cfg.precision
+        compute, param = DTYPES.get(name, (p.autocast or p.param_dtype, p.param_dtype))
+        assert (first["precision/compute_dtype"], first["precision/param_dtype"]) == (compute, param)
+        # scaler=auto (the default): dynamic for fp16 modes, none otherwise
+        expected_scale = cfg.scaler.init_scale if "float16" in (compute, param) else 1.0
+        assert train_rows[0]["scaler/scale"] == expected_scale
+    if group == "scaler":
+        kind = cfg.scaler.kind
+        expected_scale = {"none": 1.0, "static": cfg.scaler.get("scale")}.get(kind, cfg.scaler.get("init_scale"))
+        assert [r["scaler/scale"] for r in train_rows] == [expected_scale] * 3
+    if group == "logger":
+        files = wandb_records.run_files(tmp_path)
+        if name == "none":
+            assert files == []
+        else:
+            assert len(files) == 1 and wandb_records.exit_codes(files[0]) == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The promised commands, as subprocesses (cheap overrides appended)
+# ---------------------------------------------------------------------------------------------
+
+PROMISED = {
+    "python train.py": [],
+    "python train.py precision=bf16 accum=4": ["precision=bf16", "accum=4"],
+    "python train.py precision=fp16 scaler=static scaler.scale=128 init=kaiming": [
+        "precision=fp16",
+        "scaler=static",
+        "scaler.scale=128",
+        "init=kaiming",
+    ],
+    "python train.py model=fixup_resnet init=fixup precision=fp16": ["model=fixup_resnet", "init=fixup", "precision=fp16"],
+}
+SWEEP = ["precision=fp32,fp16,bf16", "scaler=auto,static", "model.hidden=[16]"]
+INJECT = ["precision=fp16", "trainer.inject_nonfinite_at=[3]", "trainer.log_every=1", "accum=2"]
+INJECT += ["trainer.max_steps=5", "model.hidden=[16]"]  # after CHEAP's max_steps=3: the last one wins
+
+
+@pytest.fixture(scope="module")
+def runs(cli):
+    """Start every successful-run subprocess of this module at once (the multirun, the longest, first)."""
+    futures = {"multirun": cli.submit(*SWEEP, multirun=True)}
+    futures |= {command: cli.submit(*overrides) for command, overrides in PROMISED.items()}
+    futures["inject"] = cli.submit(*INJECT)
+    return futures
+
+
+def assert_clean_exit(result):
+    result.check()
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", list(PROMISED))
+def test_promised_command_runs(command, runs):
+    result = runs[command].result()
+    assert_clean_exit(result)
+    overrides = dict(o.split("=", 1) for o in PROMISED[command])
+    accum = int(overrides.get("accum", 1))
+
+    rows = result.metrics()
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    assert all(r["samples"] == r["step"] * 16 * accum for r in rows)
+    assert math.isfinite(rows[-1]["train/loss"]) and "val/acc" in rows[-1]
+
+    # The W&B run lives under the run dir; nothing else is written next to it (no ./wandb, ./outputs).
+    assert [p.name for p in result.cwd.iterdir()] == ["run"]
+    (run_file,) = wandb_records.run_files(result.run_dir)
+    assert wandb_records.exit_codes(run_file) == [0]
+    config = wandb_records.config(run_file)
+    assert config["precision"]["name"] == overrides.get("precision", "fp32")
+    assert config["accum"] == accum
+    assert config["init"]["scheme"] == overrides.get("init", "default")
+    assert config["model"]["arch"] == overrides.get("model", "mlp")
+    if "scaler.scale" in overrides:
+        assert {r["scaler/scale"] for r in rows if "scaler/scale" in r} == {float(overrides["scaler.scale"])}
+    summary = wandb_records.summary(run_file)
+    assert summary["scaler/skipped_steps"] == 0 and summary["val/acc"] == rows[-1]["val/acc"]
+
+
+# Dashboards and sweeps rely on these names (DESIGN.md, "Metrics").
+TRAIN_METRICS = {"train/loss", "train/lr", "train/grad_norm"}
+SCALER_METRICS = {"scaler/scale", "scaler/skipped", "scaler/skipped_steps", "scaler/growths", "scaler/backoffs"}
+SCALER_METRICS |= {"scaler/overflow_rate"}
+PERF_METRICS = {"perf/samples_per_s", "perf/step_ms"} | ({"perf/max_mem_mb"} if not NO_CUDA else set())
+VAL_METRICS = {"val/loss", "val/acc"}
+
+
+def test_metrics_jsonl_uses_the_documented_names(runs):
+    result = runs["python train.py"].result()
+    assert_clean_exit(result)
+    rows = result.metrics()
+
+    assert all({"step", "samples"} <= row.keys() for row in rows)
+    first = rows[0]
+    assert first["step"] == 1
+    assert (first["precision/compute_dtype"], first["precision/param_dtype"]) == ("float32", "float32")
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert train_rows, rows
+    for row in train_rows:
+        missing = (TRAIN_METRICS | SCALER_METRICS | PERF_METRICS) - row.keys()
+        assert not missing, f"step {row['step']} lacks {missing}"
+    assert VAL_METRICS <= rows[-1].keys()
+
+    documented = {"step", "samples", "perf/max_mem_mb"} | TRAIN_METRICS | SCALER_METRICS | PERF_METRICS | VAL_METRICS
+    logged = set().union(*rows)
+    unknown = {k for k in logged - documented if not k.startswith("precision/")}
+    assert not unknown, f"metric names missing from DESIGN.md's list (add them there first): {unknown}"
+
+
+def test_first_step_logs_the_dtypes_it_ran_in(runs):
+    """fp16 mixed precision really computes in fp16 with fp32 weights (pure modes: test_every_config_option)."""
+    result = runs["python train.py precision=fp16 scaler=static scaler.scale=128 init=kaiming"].result()
+    assert_clean_exit(result)
+    first = result.metrics()[0]
+    assert first["step"] == 1
+    assert (first["precision/compute_dtype"], first["precision/param_dtype"]) == ("float16", "float32")
+
+
+def test_multirun_sweep_is_one_wandb_group_of_named_runs(runs):
+    result = runs["multirun"].result()
+    assert_clean_exit(result)
+    assert [p.name for p in result.cwd.iterdir()] == ["multi"]
+    jobs = result.job_dirs()
+    assert len(jobs) == 6, [j.name for j in jobs]
+
+    infos = []
+    for job in jobs:
+        assert read_jsonl(job / "metrics.jsonl")[-1]["step"] == 3
+        (run_file,) = wandb_records.run_files(job)  # its own W&B run, under its own job dir
+        assert wandb_records.exit_codes(run_file) == [0]
+        assert "scaler/skipped_steps" in wandb_records.summary(run_file)
+        info = wandb_records.run_info(run_file)
+        config = wandb_records.config(run_file)
+        choice = f"precision={config['precision']['name']}", f"scaler={config['scaler']['kind']}"
+        assert all(re.search(rf"(^|[_,]){re.escape(c)}(,|$)", info["name"]) for c in choice), info
+        assert {"precision:" + choice[0].split("=")[1], "scaler:" + choice[1].split("=")[1]} <= set(info["tags"])
+        infos.append((info, choice))
+
+    assert {choice for _, choice in infos} == {
+        (f"precision={p}", f"scaler={s}") for p, s in itertools.product(["fp32", "fp16", "bf16"], ["auto", "static"])
+    }
+    names = [info["name"] for info, _ in infos]
+    assert len(set(names)) == 6, names
+    groups = {info["group"] for info, _ in infos}
+    assert len(groups) == 1 and groups != {""}, groups
+
+
+def test_injected_inf_is_skipped_counted_and_reaches_wandb(runs, monkeypatch):
+    result = runs["inject"].result()
+    assert_clean_exit(result)
+    rows = {r["step"]: r for r in result.metrics() if "train/loss" in r}
+    assert list(rows) == [1, 2, 3, 4, 5]
+    column = lambda key: [rows[s][key] for s in rows]  # noqa: E731
+
+    assert column("scaler/skipped_steps") == [0, 0, 1, 1, 1]
+    assert column("scaler/skipped") == [0, 0, 1, 0, 0]
+    assert column("scaler/scale") == [65536.0, 65536.0, 32768.0, 32768.0, 32768.0]
+    assert column("scaler/backoffs") == [0, 0, 1, 1, 1]
+    lr = column("train/lr")
+    assert lr[2] == lr[1] and lr[3] > lr[2], f"a skipped step must not advance the schedule: {lr}"
+    assert [rows[s]["samples"] for s in rows] == [s * 16 * 2 for s in rows]
+
+    (run_file,) = wandb_records.run_files(result.run_dir)
+    history = {h["_step"]: h for h in wandb_records.history(run_file) if "scaler/skipped_steps" in h}
+    assert [history[s]["scaler/skipped_steps"] for s in sorted(history)] == [0, 0, 1, 1, 1]
+    assert [history[s]["scaler/scale"] for s in sorted(history)] == column("scaler/scale")
+    summary = wandb_records.summary(run_file)
+    assert summary["scaler/skipped_steps"] == 1
+    assert (summary["scaler/min_scale"], summary["scaler/max_scale"]) == (32768.0, 65536.0)
+    assert math.isfinite(summary["train/loss"])
+    assert wandb_records.exit_codes(run_file) == [0]
+
+    # The W&B run carries the full resolved config: the job's .hydra/config.yaml, resolved.
+    config = wandb_records.config(run_file)
+    assert config["precision"]["name"] == "fp16" and config["accum"] == 2
+    assert config["trainer"]["inject_nonfinite_at"] == [3]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # what the run resolved ${oc.env:WANDB_MODE,...} to
+    assert config == OmegaConf.to_container(OmegaConf.load(result.run_dir / ".hydra/config.yaml"), resolve=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad values stop before training, with a message naming the key, and no traceback
+# ---------------------------------------------------------------------------------------------
+
+# overrides -> (exit code, or None for any non-zero one; substrings the message must contain)
+BAD = {
+    "accum=0": (2, ["accum=0"]),
+    "precision=fp17": (None, ["precision/fp17", "fp16", "bf16", "fp32"]),  # Hydra lists the options
+    "init=fixup": (2, ["fixup", "model=fixup_resnet"]),
+    "trainer.device=cuda": (2, ["trainer.device=cuda"]),
+    "precision=tf32": (2, ["tf32", "CUDA"]),
+    "trainer.max_step=3": (None, ["trainer.max_step"]),
+    "accum=abc": (None, ["accum=abc"]),
+    "scaler=static scaler.scale=-1": (None, ["scaler.scale=-1"]),
+}
+NEEDS_NO_CUDA = {"trainer.device=cuda", "precision=tf32"}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(cli):
+    return {bad: cli.submit(*bad.split()) for bad in BAD if not (bad in NEEDS_NO_CUDA and not NO_CUDA)}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [pytest.param(b, marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible")) if b in NEEDS_NO_CUDA else b for b in BAD],
+)
+def test_bad_value_stops_with_a_clear_message(bad, bad_runs):
+    code, needles = BAD[bad]
+    result = bad_runs[bad].result()
+    assert result.returncode != 0 and (code is None or result.returncode == code), (result.returncode, result.output)
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle.lower() in result.stderr.lower(), f"{needle!r} not in:\n{result.stderr}"
+    if result.returncode == 2:  # our own validation: one line, `error: key=value: what would work`
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: ")
+    assert not (result.run_dir / "metrics.jsonl").exists(), "it must stop before training"

@@ -1,0 +1,126 @@
+"""Loss-scaler state machines: torch parity, hysteresis, the floor and the skip-storm stop."""
+
+import random
+
+import pytest
+import torch
+
+from halfprec.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, TrainingAborted
+
+
+def overflow_pattern(n: int, seed: int = 0, p: float = 0.2) -> list[bool]:
+    rng = random.Random(seed)
+    return [rng.random() < p for _ in range(n)]
+
+
+def torch_trajectory(pattern, init_scale, growth_interval):
+    """Scales torch.amp.GradScaler reports after each step on gradients that overflow as given."""
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=0.1)
+    ref = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    scales = []
+    for overflow in pattern:
+        ref.scale(torch.ones(())).requires_grad_()  # initialises the scale tensor lazily
+        w.grad = torch.full((1,), float("inf") if overflow else ref.get_scale())
+        ref.step(opt)
+        ref.update()
+        scales.append(ref.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dynamic_trajectory_equals_torch_gradscaler(seed):
+    pattern = overflow_pattern(200, seed) + [False] * 20  # a clean tail exercises growth
+    expected = torch_trajectory(pattern, init_scale=2.0**10, growth_interval=3)
+    ours = DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+    got = []
+    for overflow in pattern:
+        ours.update(overflow)
+        got.append(ours.scale)
+    assert got == expected
+    assert ours.growths > 0 and ours.backoffs > 0
+    assert ours.skipped_steps == sum(pattern)
+
+
+def test_defaults_match_torch():
+    ours, ref = DynamicLossScaler(), torch.amp.GradScaler("cpu")
+    assert ours.scale == ref.get_scale() == 2.0**16
+    assert ours.growth_factor == ref.get_growth_factor()
+    assert ours.backoff_factor == ref.get_backoff_factor()
+    assert ours.growth_interval == ref.get_growth_interval()
+
+
+def test_hysteresis_tolerates_overflows_before_backing_off():
+    s = DynamicLossScaler(init_scale=1024, growth_interval=100, hysteresis=3)
+    s.update(True)
+    s.update(True)
+    assert s.scale == 1024 and s.skipped_steps == 2 and s.backoffs == 0  # skipped, not backed off
+    s.update(True)
+    assert s.scale == 512 and s.backoffs == 1  # the third overflow backs off
+    s.update(False)
+    s.update(True)
+    s.update(True)
+    assert s.scale == 512  # allowance refilled after the back-off: two more tolerated
+    s.update(True)
+    assert s.scale == 256
+
+
+def test_hysteresis_allowance_refills_when_the_scale_grows():
+    s = DynamicLossScaler(init_scale=8, growth_interval=2, hysteresis=2)
+    s.update(True)  # one overflow used up
+    assert s.hysteresis_left == 1
+    s.update(False)
+    s.update(False)  # grows
+    assert s.scale == 16 and s.hysteresis_left == 2
+    s.update(True)
+    assert s.scale == 16
+
+
+def test_min_scale_is_a_floor_and_an_overflow_at_the_floor_stops():
+    s = DynamicLossScaler(init_scale=4, growth_interval=100, min_scale=1.5)
+    s.update(True)
+    assert s.scale == 2
+    s.update(True)
+    assert s.scale == 1.5  # clamped, not 1
+    with pytest.raises(TrainingAborted, match=r"scaler.min_scale=1.5"):
+        s.update(True)
+
+
+def test_max_consecutive_skips_stops_a_skip_storm_but_not_scattered_skips():
+    s = DynamicLossScaler(init_scale=2.0**16, max_consecutive_skips=3)
+    for _ in range(10):
+        s.update(True)
+        s.update(True)
+        s.update(False)  # a clean step resets the run of skips
+    with pytest.raises(TrainingAborted, match=r"3 optimizer steps in a row.*max_consecutive_skips=3"):
+        for _ in range(3):
+            s.update(True)
+
+
+@pytest.mark.parametrize("scaler", [LossScaler(max_consecutive_skips=2), StaticLossScaler(128, 2)])
+def test_skip_storm_applies_without_dynamic_scaling(scaler):
+    scaler.update(True)
+    with pytest.raises(TrainingAborted):
+        scaler.update(True)
+
+
+def test_static_scale_never_moves_but_counts_skips():
+    s = StaticLossScaler(128)
+    for overflow in [True, False, True, True, False]:
+        s.update(overflow)
+    assert s.scale == 128 and s.skipped_steps == 3 and s.growths == s.backoffs == 0
+    assert s.overflow_rate == pytest.approx(3 / 5)
+
+
+def test_state_dict_round_trip_continues_identically():
+    pattern = overflow_pattern(60, seed=4, p=0.3)
+    a = DynamicLossScaler(init_scale=256, growth_interval=2, hysteresis=2, min_scale=1e-3)
+    for overflow in pattern[:30]:
+        a.update(overflow)
+    b = DynamicLossScaler()
+    b.load_state_dict(a.state_dict())
+    for overflow in pattern[30:]:
+        a.update(overflow)
+        b.update(overflow)
+        assert b.scale == a.scale
+    assert b.state_dict() == a.state_dict()

@@ -1,0 +1,113 @@
+"""The optimizer-step contract (DESIGN.md) on the real components."""
+
+import copy
+
+import pytest
+import torch
+
+from helpers import batch, build_from, flat_params, step
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_accumulation_equals_big_batch(optim):
+    """fp32: accum=4 with micro-batch b leaves the same parameters as one batch of 4b."""
+    b, k, steps = 8, 4, 5
+    common = [f"optim={optim}", "model.hidden=[32,32]", "optim.weight_decay=0.01", "sched=constant"]
+    big, _ = build_from(*common, "accum=1", f"data.batch_size={k * b}")
+    small, _ = build_from(*common, f"accum={k}", f"data.batch_size={b}")
+    torch.testing.assert_close(flat_params(big.model), flat_params(small.model), rtol=0, atol=0)
+    for s in range(steps):
+        x, y = batch(k * b, seed=s)
+        step(big, [(x, y)])
+        step(small, [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(k)])
+    moved = (flat_params(big.model) - flat_params(build_from(*common)[0].model)).abs().max()
+    assert moved > 1e-3  # the comparison below is not between two untrained models
+    torch.testing.assert_close(flat_params(small.model), flat_params(big.model), rtol=0, atol=1e-6)
+
+
+def test_injected_inf_skips_exactly_that_step():
+    """An inf in one micro-batch: no parameter, optimizer-state or LR change; scale backed off."""
+    c, _ = build_from("precision=fp16", "accum=3", "data.batch_size=8", "model.hidden=[16]", "sched=cosine")
+    for s in range(2):
+        x, y = batch(24, seed=s)
+        assert not step(c, [(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]) for i in range(3)]).skipped
+    params = flat_params(c.model)
+    opt_state = copy.deepcopy(c.optimizer.state_dict())
+    sched_state = copy.deepcopy(c.scheduler.state_dict())
+    lr = c.optimizer.param_groups[0]["lr"]
+    scale = c.scaler.scale
+
+    x, y = batch(24, seed=7)
+    bad = x[16:].clone()
+    bad[0, 0, 0, 0] = float("inf")
+    result = step(c, [(x[:8], y[:8]), (x[8:16], y[8:16]), (bad, y[16:])])
+
+    assert result.skipped
+    assert torch.equal(flat_params(c.model), params)
+    after = c.optimizer.state_dict()
+    for key, buf in opt_state["state"].items():
+        for name, value in buf.items():
+            assert torch.equal(after["state"][key][name], value), name
+    assert c.scheduler.state_dict() == sched_state
+    assert c.optimizer.param_groups[0]["lr"] == lr
+    assert c.scaler.scale == scale * 0.5
+    assert c.scaler.skipped_steps == 1 and c.scaler.backoffs == 1
+    # the next clean window steps again
+    x, y = batch(24, seed=8)
+    assert not step(c, [(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]) for i in range(3)]).skipped
+    assert not torch.equal(flat_params(c.model), params)
+
+
+def _grads_after_one_window(*overrides):
+    c, _ = build_from("model.hidden=[32]", "optim.lr=0.0", "sched=constant", *overrides)
+    x, y = batch(64, seed=3)
+    result = step(c, [(x, y)])
+    return c, result
+
+
+def test_static_scaling_unscales_to_the_fp32_gradients():
+    """Gradients seen by the optimizer equal the unscaled fp32 ones: the scale is divided out."""
+    # fp32 math with a static scale: any difference from the unscaled run is the scaler's doing
+    ref, ref_out = _grads_after_one_window("scaler=none")
+    scaled, out = _grads_after_one_window("scaler=static", "scaler.scale=1024")
+    assert scaled.scaler.scale == 1024
+    for p, q in zip(ref.params.params, scaled.params.params):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.grad_norm, ref_out.grad_norm, rtol=1e-6, atol=0)
+
+
+def test_fp16_unscaled_gradients_do_not_depend_on_the_scale():
+    """fp16 autocast: power-of-two scales are exact, so unscaled grads at 128 and 2^16 agree bitwise
+    (no underflow, no overflow) and stay close to fp32 (up to fp16 rounding of the forward)."""
+    ref, _ = _grads_after_one_window("scaler=none")
+    low, _ = _grads_after_one_window("precision=fp16", "scaler=static", "scaler.scale=128")
+    high, _ = _grads_after_one_window("precision=fp16", "scaler=static", "scaler.scale=65536")
+    for p, q in zip(low.params.params, high.params.params):
+        assert q.grad.dtype == torch.float32
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    g32 = torch.cat([p.grad.flatten() for p in ref.params.params])
+    g16 = torch.cat([p.grad.flatten() for p in low.params.params])
+    # a few ReLUs flip sign under fp16 rounding of the forward, hence not 1e-3
+    assert ((g16 - g32).norm() / g32.norm()) < 0.1
+
+
+def test_clipping_acts_on_unscaled_gradients():
+    """With a large static scale the clipped update equals the fp32 clipped update."""
+    common = ["model.hidden=[32]", "sched=constant", "optim.momentum=0.0"]
+    ref, _ = build_from(*common, "scaler=none")
+    scaled, _ = build_from(*common, "scaler=static", "scaler.scale=4096")
+    x, y = batch(64, seed=5)
+    r1 = step(ref, [(x, y)], clip=0.05)
+    r2 = step(scaled, [(x, y)], clip=0.05)
+    assert r1.grad_norm > 0.05  # clipping really happened
+    torch.testing.assert_close(r2.grad_norm, r1.grad_norm, rtol=1e-6, atol=0)  # the pre-clip, unscaled norm
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in scaled.params.params])
+    torch.testing.assert_close(clipped, torch.tensor(0.05), rtol=1e-5, atol=0)
+    torch.testing.assert_close(flat_params(scaled.model), flat_params(ref.model), rtol=0, atol=1e-7)
+
+
+def test_grad_norm_is_unscaled_for_dynamic_fp16():
+    ref, r = _grads_after_one_window("scaler=none")
+    fp16, f = _grads_after_one_window("precision=fp16")
+    assert fp16.scaler.scale == 65536
+    torch.testing.assert_close(f.grad_norm, r.grad_norm, rtol=1e-2, atol=0)
