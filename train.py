@@ -3,6 +3,7 @@
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from halfprec.config import ConfigError, validate
@@ -14,8 +15,6 @@ def main(cfg: DictConfig) -> float:
     try:
         validate(cfg)  # before torch-heavy work: a bad value fails in a second, not after a build
         from halfprec.train import run
-
-        from hydra.core.hydra_config import HydraConfig
 
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
     except ConfigError as err:

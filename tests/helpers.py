@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from halfprec.train import Components, build
 from halfprec.step import optimizer_step
+from halfprec.train import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -10,6 +10,7 @@ from halfprec.init import InitError, apply_init, init_fixup
 from halfprec.models import create_model
 from halfprec.scaling import TrainingAborted
 from halfprec.train import build, run
+
 from helpers import compose_cfg
 
 

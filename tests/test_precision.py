@@ -13,6 +13,7 @@ from halfprec.precision import (
 )
 from halfprec.scaling import DynamicLossScaler, LossScaler
 from halfprec.step import optimizer_step
+
 from helpers import batch, compose_cfg
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

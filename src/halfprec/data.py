@@ -41,8 +41,12 @@ def load_digits(val_size: int = 397, seed: int = 0) -> Dataset:
 
 
 def make_synthetic(
-    shape: list[int] = (1, 8, 8), num_classes: int = 10, num_train: int = 1024, num_val: int = 256,
-    noise: float = 1.0, seed: int = 0,
+    shape: list[int] = (1, 8, 8),
+    num_classes: int = 10,
+    num_train: int = 1024,
+    num_val: int = 256,
+    noise: float = 1.0,
+    seed: int = 0,
 ) -> Dataset:
     """Gaussian clusters around one random prototype per class: learnable, any shape."""
     g = torch.Generator().manual_seed(seed)
@@ -69,8 +73,6 @@ class Batches:
     """
 
     def __init__(self, split: Split, batch_size: int, seed: int, device: torch.device):
-        if batch_size > len(split.y):
-            raise ValueError(f"data.batch_size={batch_size} is larger than the {len(split.y)} training samples")
         self.x, self.y = split.x.to(device), split.y.to(device)
         self.batch_size, self.seed = batch_size, seed
         self.epoch, self.index = 0, 0

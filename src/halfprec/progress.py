@@ -39,7 +39,9 @@ class Progress:
             self._bar.stop()
 
     def update(self, step: int, metrics: dict, scaler) -> None:
-        status = f"loss {metrics.get('train/loss', float('nan')):.4f}  scale {scaler.scale:g}  skips {scaler.skipped_steps}"
+        status = (
+            f"loss {metrics.get('train/loss', float('nan')):.4f}  scale {scaler.scale:g}  skips {scaler.skipped_steps}"
+        )
         if "val/acc" in metrics:
             status += f"  val/acc {metrics['val/acc']:.3f}"
         if self._bar is not None:
