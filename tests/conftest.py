@@ -18,7 +18,7 @@ TRAIN = REPO / "train.py"
 
 # Overrides that make any run cheap without changing what it exercises. Model-specific sizes
 # (model.hidden=...) are not here: they are only valid for their own model.
-CHEAP = ["trainer.max_steps=3", "trainer.val_every=0", "data.batch_size=16"]
+CHEAP = ["trainer.max_steps=3", "trainer.val_every=0", "trainer.log_every=1", "data.batch_size=16"]
 
 # W&B in tests: offline, quiet, and without the probes (git, code, requirements, system metrics)
 # that cost start-up time and read the machine.
@@ -96,7 +96,8 @@ class Cli:
     def run(self, *overrides: str, multirun: bool = False, cheap: bool = True, timeout: float = 300) -> CliResult:
         cwd = self._tmp.mktemp("cli")
         run_dir, sweep_dir = cwd / "run", cwd / "multi"
-        args = [sys.executable, str(TRAIN), *(["-m"] if multirun else []), *overrides, *(CHEAP if cheap else [])]
+        # CHEAP goes first: for a key given twice Hydra keeps the last value, so the test's own wins.
+        args = [sys.executable, str(TRAIN), *(["-m"] if multirun else []), *(CHEAP if cheap else []), *overrides]
         args += [f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={sweep_dir}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two runs at a time on 2 cores: no oversubscription
         proc = subprocess.run(

@@ -1,6 +1,6 @@
 """`train.py` as users run it: every config option, the promised commands, bad values, metrics, W&B.
 
-The option matrix runs in-process (Hydra's compose API + `halfprec.train.run`, ~0.1 s a run);
+The option matrix runs in-process (Hydra's compose API + `halfprec.train.run`, < 1 s a run);
 everything about the command line itself is a real `python train.py ...` subprocess, started
 together on a 2-worker pool because each one pays ~8 s of imports (torch, sklearn, wandb).
 """
@@ -13,20 +13,24 @@ import re
 
 import pytest
 import torch
+from conftest import CHEAP, CONF, read_jsonl
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import wandb_records
-from conftest import CHEAP, CONF, read_jsonl
 
 # ---------------------------------------------------------------------------------------------
 # Every option of every config group composes and trains a few steps
 # ---------------------------------------------------------------------------------------------
 
 # Discovered from conf/, so a new option file is covered without touching this file. `hydra` is
-# Hydra's own run/sweep dir layout, exercised by every subprocess test below.
+# Hydra's own run/sweep dir layout, exercised by every subprocess test below. Groups that are not
+# in train.yaml's defaults list (experiment, ...) are added with `+group=option`, as users do.
+IN_DEFAULTS = {
+    next(iter(d)) for d in OmegaConf.to_container(OmegaConf.load(CONF / "train.yaml").defaults) if isinstance(d, dict)
+}
 OPTIONS = [
-    f"{group.name}={option.stem}"
+    f"{'' if group.name in IN_DEFAULTS else '+'}{group.name}={option.stem}"
     for group in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
     for option in sorted(group.glob("*.yaml"))
 ]
@@ -62,12 +66,13 @@ def compose_cfg(overrides: list[str]):
         return compose("train", overrides=overrides)
 
 
-def option_overrides(option: str) -> list[str]:
-    group = option.split("=")[0]
+def option_cfg(option: str):
+    """The composed config for one option, made cheap: few steps, a tiny model, no W&B."""
+    group = option.lstrip("+").split("=")[0]
     overrides = [option, *NEEDS.get(option, []), *GROUP_CONTEXT.get(group, [])]
-    model = next((o.split("=")[1] for o in overrides if o.startswith("model=")), "mlp")
-    logger = [] if group == "logger" else ["logger=none"]
-    return [*overrides, *TINY.get(model, []), *logger, *CHEAP, "trainer.log_every=1", "trainer.progress=false"]
+    overrides += [*([] if group == "logger" else ["logger=none"]), *CHEAP, "trainer.progress=false"]
+    arch = compose_cfg(overrides).model.arch  # the model an option (or an experiment) picks
+    return compose_cfg([*overrides, *TINY.get(arch, [])])
 
 
 @pytest.mark.parametrize(
@@ -82,7 +87,7 @@ def option_overrides(option: str) -> list[str]:
 def test_every_config_option_trains(option, tmp_path):
     from halfprec.train import run
 
-    cfg = compose_cfg(option_overrides(option))
+    cfg = option_cfg(option)
     summary = run(cfg, tmp_path)
 
     assert summary["exit_code"] == 0
@@ -93,7 +98,7 @@ def test_every_config_option_trains(option, tmp_path):
     assert 0 <= rows[-1]["val/acc"] <= 1
     assert summary["scaler/skipped_steps"] == 0, "a tiny model's first steps must not overflow"
 
-    group, name = option.split("=")
+    group, name = option.lstrip("+").split("=")
     first = rows[0]
     if group == "precision":
         p = cfg.precision
@@ -127,11 +132,15 @@ PROMISED = {
         "scaler.scale=128",
         "init=kaiming",
     ],
-    "python train.py model=fixup_resnet init=fixup precision=fp16": ["model=fixup_resnet", "init=fixup", "precision=fp16"],
+    "python train.py model=fixup_resnet init=fixup precision=fp16": [
+        "model=fixup_resnet",
+        "init=fixup",
+        "precision=fp16",
+    ],
 }
 SWEEP = ["precision=fp32,fp16,bf16", "scaler=auto,static", "model.hidden=[16]"]
 INJECT = ["precision=fp16", "trainer.inject_nonfinite_at=[3]", "trainer.log_every=1", "accum=2"]
-INJECT += ["trainer.max_steps=5", "model.hidden=[16]"]  # after CHEAP's max_steps=3: the last one wins
+INJECT += ["trainer.max_steps=5", "model.hidden=[16]"]  # overrides CHEAP's max_steps=3
 
 
 @pytest.fixture(scope="module")
@@ -229,14 +238,13 @@ def test_multirun_sweep_is_one_wandb_group_of_named_runs(runs):
         assert "scaler/skipped_steps" in wandb_records.summary(run_file)
         info = wandb_records.run_info(run_file)
         config = wandb_records.config(run_file)
-        choice = f"precision={config['precision']['name']}", f"scaler={config['scaler']['kind']}"
-        assert all(re.search(rf"(^|[_,]){re.escape(c)}(,|$)", info["name"]) for c in choice), info
-        assert {"precision:" + choice[0].split("=")[1], "scaler:" + choice[1].split("=")[1]} <= set(info["tags"])
+        choice = config["precision"]["name"], config["scaler"]["kind"]
+        for override in (f"precision={choice[0]}", f"scaler={choice[1]}"):  # named by its overrides
+            assert re.search(rf"(^|[_,]){re.escape(override)}(,|$)", info["name"]), info
+        assert {f"precision:{choice[0]}", f"scaler:{choice[1]}"} <= set(info["tags"]), info
         infos.append((info, choice))
 
-    assert {choice for _, choice in infos} == {
-        (f"precision={p}", f"scaler={s}") for p, s in itertools.product(["fp32", "fp16", "bf16"], ["auto", "static"])
-    }
+    assert {choice for _, choice in infos} == set(itertools.product(["fp32", "fp16", "bf16"], ["auto", "static"]))
     names = [info["name"] for info, _ in infos]
     assert len(set(names)) == 6, names
     groups = {info["group"] for info, _ in infos}
@@ -283,11 +291,11 @@ def test_injected_inf_is_skipped_counted_and_reaches_wandb(runs, monkeypatch):
 # overrides -> (exit code, or None for any non-zero one; substrings the message must contain)
 BAD = {
     "accum=0": (2, ["accum=0"]),
-    "precision=fp17": (None, ["precision/fp17", "fp16", "bf16", "fp32"]),  # Hydra lists the options
+    "precision=fp17": (1, ["precision/fp17", "fp16", "bf16", "fp32"]),  # Hydra's error lists the options
     "init=fixup": (2, ["fixup", "model=fixup_resnet"]),
     "trainer.device=cuda": (2, ["trainer.device=cuda"]),
     "precision=tf32": (2, ["tf32", "CUDA"]),
-    "trainer.max_step=3": (None, ["trainer.max_step"]),
+    "trainer.max_step=3": (1, ["trainer.max_step"]),  # Hydra's error
     "accum=abc": (None, ["accum=abc"]),
     "scaler=static scaler.scale=-1": (None, ["scaler.scale=-1"]),
 }
@@ -301,7 +309,10 @@ def bad_runs(cli):
 
 @pytest.mark.parametrize(
     "bad",
-    [pytest.param(b, marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible")) if b in NEEDS_NO_CUDA else b for b in BAD],
+    [
+        pytest.param(b, marks=pytest.mark.skipif(not NO_CUDA, reason="a GPU is visible")) if b in NEEDS_NO_CUDA else b
+        for b in BAD
+    ],
 )
 def test_bad_value_stops_with_a_clear_message(bad, bad_runs):
     code, needles = BAD[bad]
@@ -314,3 +325,19 @@ def test_bad_value_stops_with_a_clear_message(bad, bad_runs):
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: ")
     assert not (result.run_dir / "metrics.jsonl").exists(), "it must stop before training"
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["+trainer.max_step=3", "+scaler.init_scal=2", "+precision.autocas=float16", "+sched.warmup=3", "+accum_steps=4",
+     "+init.mode=fan_in", "+logger.projekt=x", "+model.hiden=[8]", "+data.batchsize=8", "+optim.momentun=0.5"],
+)  # fmt: skip
+def test_appended_unknown_key_is_rejected(override):
+    """Hydra answers `trainer.max_step=3` with 'use +trainer.max_step=3'; that must not silently train 500 steps."""
+    from halfprec.config import ConfigError, validate, validate_optimizer
+
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigError, match=re.escape(key) + ".*unknown key"):
+        cfg = compose_cfg([override])
+        validate(cfg)
+        validate_optimizer(cfg)

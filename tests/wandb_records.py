@@ -73,8 +73,14 @@ def summary(path: str | Path) -> dict:
 def run_info(path: str | Path) -> dict:
     """The run record: id, name, group, job_type, tags, project."""
     run = next(r.run for r in records(path) if r.HasField("run"))
-    return {"id": run.run_id, "name": run.display_name, "group": run.run_group, "job_type": run.job_type,
-            "tags": list(run.tags), "project": run.project}  # fmt: skip
+    fields = {
+        "id": "run_id",
+        "name": "display_name",
+        "group": "run_group",
+        "job_type": "job_type",
+        "project": "project",
+    }
+    return {key: getattr(run, field) for key, field in fields.items()} | {"tags": list(run.tags)}
 
 
 def config(path: str | Path) -> dict:

@@ -7,6 +7,7 @@ one-line error that names the key, the value and what would work.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,22 @@ DATASETS = ("digits", "synthetic")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+# The keys each group (or each kind within a group) takes. Hydra's struct mode rejects a typo in
+# `key=value`, but `+key=value` adds any key: this catches those instead of ignoring them.
+# Model, data, optimizer and init keys are checked against their functions' signatures.
+TOP_KEYS = ("accum", "seed", "precision", "scaler", "init", "model", "data", "optim", "sched", "logger", "trainer")
+PRECISION_KEYS = ("name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32")
+SCALER_KEYS = {
+    "none": ("kind", "max_consecutive_skips"),
+    "static": ("kind", "scale", "max_consecutive_skips"),
+    "dynamic": ("kind", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+                "min_scale", "max_consecutive_skips"),
+}  # fmt: skip
+SCALER_KEYS["auto"] = SCALER_KEYS["dynamic"]
+SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_steps", "min_lr_ratio")}
+LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
+TRAINER_KEYS = ("max_steps", "val_every", "log_every", "device", "deterministic", "progress", "inject_nonfinite_at")
 
 
 class ConfigError(ValueError):
@@ -68,11 +85,16 @@ def _positive(cfg: DictConfig, key: str, meaning: str, optional: bool = False) -
     return _need(cfg, key, lambda v: (optional and v is None) or (_is_num(v) and v > 0), fix)
 
 
-def _known_keys(cfg: DictConfig, group: str, allowed: list[str], owner: str) -> None:
-    for key in cfg[group]:
+def _known_keys(cfg: DictConfig, group: str, allowed, owner: str) -> None:
+    node = cfg[group] if group else cfg
+    for key in node:
         if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
-                f"{group}.{key}", cfg[group][key], f"unknown key for {owner}; it takes: {', '.join(allowed)}"
+                f"{group}.{key}" if group else key,
+                node[key],
+                f"unknown key for {owner}; {hint}it takes: {', '.join(allowed)}",
             )
 
 
@@ -80,10 +102,12 @@ def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first value that cannot work."""
     from halfprec.models import MODELS  # light: factories import timm lazily
 
+    _known_keys(cfg, "", TOP_KEYS, "the top level")
     _int_at_least(cfg, "accum", 1, "micro-batches per optimizer step, e.g. accum=4")
     _need(cfg, "seed", _is_int, "must be an integer")
 
     # precision
+    _known_keys(cfg, "precision", PRECISION_KEYS, "precision")
     _one_of(cfg, "precision.name", PRECISIONS)
     _one_of(cfg, "precision.autocast", (None, "float16", "bfloat16"))
     param_dtype = _one_of(cfg, "precision.param_dtype", DTYPE_NAMES)
@@ -99,6 +123,7 @@ def validate(cfg: DictConfig) -> None:
 
     # scaler
     kind = _one_of(cfg, "scaler.kind", SCALERS)
+    _known_keys(cfg, "scaler", SCALER_KEYS[kind], f"scaler.kind={kind}")
     if kind == "static":
         _positive(cfg, "scaler.scale", "the fixed loss scale, e.g. 128")
     if kind in ("auto", "dynamic"):
@@ -119,6 +144,11 @@ def validate(cfg: DictConfig) -> None:
     arch = _one_of(cfg, "model.arch", tuple(MODELS), " (models registered in halfprec.models)")
     _known_keys(cfg, "model", ["arch", *MODELS[arch].arguments()], f"model.arch={arch}")
     scheme = _one_of(cfg, "init.scheme", INITS)
+    from halfprec.init import INIT_SCHEMES
+
+    init_args = [a for a in inspect.signature(INIT_SCHEMES[scheme]).parameters if a != "model"]
+    extra = ["scalar_lr_scale"] if scheme == "fixup" else []
+    _known_keys(cfg, "init", ["scheme", *init_args, *extra], f"init={scheme}")
     if scheme == "fixup" and not MODELS[arch].residual:
         residual = ", ".join(f"model={name}" for name, entry in MODELS.items() if entry.residual)
         raise ConfigError("init", "fixup", f"model={arch} has no residual branches; Fixup supports {residual}")
@@ -128,7 +158,8 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "init.distribution", ("normal", "uniform"))
     if scheme == "xavier":
         _one_of(cfg, "init.distribution", ("normal", "uniform"))
-    _positive(cfg, "init.scalar_lr_scale", "lr multiplier of Fixup's scalar biases", optional=True)
+    if scheme == "fixup":
+        _positive(cfg, "init.scalar_lr_scale", "lr multiplier of Fixup's scalar biases", optional=True)
 
     # data
     name = _one_of(cfg, "data.name", DATASETS)
@@ -151,15 +182,16 @@ def validate(cfg: DictConfig) -> None:
     _need(cfg, "optim._target_", lambda v: isinstance(v, str) and "." in v, "must name an optimizer class")
     _need(cfg, "optim.lr", lambda v: _is_num(v) and v >= 0, "must be a number >= 0 (the peak learning rate)")
     _positive(cfg, "optim.clip_grad_norm", "max global grad norm", optional=True)
-    _one_of(cfg, "sched.name", SCHEDULES)
+    _known_keys(cfg, "sched", SCHED_KEYS[_one_of(cfg, "sched.name", SCHEDULES)], f"sched={cfg.sched.name}")
     _int_at_least(cfg, "sched.warmup_steps", 0, "linear warmup steps")
     if cfg.sched.name == "cosine":
         _need(cfg, "sched.min_lr_ratio", lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]")
 
     # logger and trainer
-    _one_of(cfg, "logger.kind", ("wandb", "none"))
+    _known_keys(cfg, "logger", LOGGER_KEYS[_one_of(cfg, "logger.kind", tuple(LOGGER_KEYS))], "logger")
     if cfg.logger.kind == "wandb":
         _one_of(cfg, "logger.mode", ("offline", "online", "disabled"), " (or set WANDB_MODE)")
+    _known_keys(cfg, "trainer", TRAINER_KEYS, "trainer")
     _int_at_least(cfg, "trainer.max_steps", 1, "optimizer steps to run")
     _int_at_least(cfg, "trainer.log_every", 1, "optimizer steps between metric rows")
     _int_at_least(cfg, "trainer.val_every", 0, "optimizer steps between validations; 0 = only at the end")

@@ -83,13 +83,15 @@ def _zero_init_last(model: nn.Module) -> None:
         block.zero_init_last()
 
 
+def init_default(model: nn.Module) -> None:
+    """Keep the init each layer was constructed with."""
+
+
+INIT_SCHEMES = {"default": init_default, "kaiming": init_kaiming, "xavier": init_xavier, "fixup": init_fixup}
+
+
 def apply_init(model: nn.Module, cfg) -> None:
     """Apply `cfg.scheme` with the rest of `cfg` as arguments (`scalar_lr_scale` is the optimizer's)."""
     kwargs = {k: v for k, v in cfg.items() if k not in ("scheme", "scalar_lr_scale")}
     with torch.no_grad():
-        if cfg.scheme == "kaiming":
-            init_kaiming(model, **kwargs)
-        elif cfg.scheme == "xavier":
-            init_xavier(model, **kwargs)
-        elif cfg.scheme == "fixup":
-            init_fixup(model, **kwargs)
+        INIT_SCHEMES[cfg.scheme](model, **kwargs)

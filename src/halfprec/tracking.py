@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,9 @@ class JsonlSink:
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        # strict JSON (jq, JavaScript): a non-finite number is written as null
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
 
     def finish(self, summary: dict[str, Any]) -> None:
@@ -44,9 +46,13 @@ class WandbSink:
             config=OmegaConf.to_container(cfg, resolve=True),
             settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
         )
+        # `step` is the x-axis of every chart. Logging it as a metric (rather than log(step=))
+        # commits each row at once, so the summary written at the end is the last word.
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def log(self, row: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        self.run.log(row)
 
     def finish(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(summary)
@@ -66,21 +72,21 @@ class Tracker:
             sink.finish(summary)
 
 
-def run_identity(run_dir: Path) -> tuple[str, str | None, list[str]]:
-    """W&B name, group and tags from Hydra: named by the job's overrides, grouped by the sweep,
-    tagged with every chosen group option (`precision:bf16`) so the UI can filter by each."""
+def run_identity(cfg: DictConfig, run_dir: Path) -> tuple[str, str | None, list[str]]:
+    """W&B name, group and tags from Hydra: named by the job's overrides, grouped by the sweep
+    (`logger.group` overrides), tagged with every chosen group option (`precision:bf16`)."""
+    group = cfg.logger.get("group")
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         hc = HydraConfig.get()
     except ValueError:  # run() called outside Hydra (tests, notebooks)
-        return run_dir.name, None, []
+        return run_dir.name, group, []
     name = hc.job.override_dirname or "defaults"
-    group = None
     if hc.mode == RunMode.MULTIRUN:
-        group = os.path.relpath(hc.sweep.dir, "outputs") if not os.path.isabs(hc.sweep.dir) else hc.sweep.dir
-        group = group.replace(os.sep, "_")
+        sweep = Path(hc.sweep.dir)
+        group = group or f"{sweep.parent.name}_{sweep.name}"  # e.g. 2026-12-02_14-40-00.123456
         name = f"{hc.job.num}_{name}"
     tags = [f"{k}:{v}" for k, v in sorted(hc.runtime.choices.items()) if v and not k.startswith("hydra")]
     return name, group, tags
@@ -89,6 +95,6 @@ def run_identity(run_dir: Path) -> tuple[str, str | None, list[str]]:
 def build_tracker(cfg: DictConfig, run_dir: Path) -> Tracker:
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
     if cfg.logger.kind == "wandb":
-        name, group, tags = run_identity(run_dir)
+        name, group, tags = run_identity(cfg, run_dir)
         sinks.append(WandbSink(cfg, run_dir, name, group, tags))
     return Tracker(sinks)

@@ -125,18 +125,17 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
 
 
 def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dict:
-    model, data, policy, params, scaler, device = c.model, c.data, c.policy, c.params, c.scaler, c.device
+    model, policy, params, scaler = c.model, c.policy, c.params, c.scaler
     t = cfg.trainer
-    accum, batch = cfg.accum, cfg.data.batch_size
+    per_step = cfg.data.batch_size * cfg.accum
     inject = set(t.inject_nonfinite_at)
-    progress = Progress(t.max_steps, enabled=t.progress)
     start = last_time = time.perf_counter()
-    last_step, skipped_at_last_row, final = 0, 0, {}
-    loss_sum = torch.zeros((), device=device)
+    last_step, skipped_before, final = 0, 0, {}
+    clean_loss_sum, clean_steps = torch.zeros((), device=c.device), 0
     model.train()
-    with progress:
+    with Progress(t.max_steps, enabled=t.progress) as progress:
         for step in range(1, t.max_steps + 1):
-            micro = [next(batches) for _ in range(accum)]
+            micro = [next(batches) for _ in range(cfg.accum)]
             if step in inject:  # fault injection for checking the skip path end to end
                 x, y = micro[-1]
                 micro[-1] = (torch.full_like(x, float("inf")), y)
@@ -145,32 +144,36 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dic
                 result = optimizer_step(
                     model, micro, c.optimizer, c.scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
                 )
-            if step == 1:  # never silently train in another precision than asked
-                dtypes = policy.check(model, seen, params.master)
-                tracker.log({"step": 1, "samples": batch * accum, **dtypes})
-            loss_sum += result.loss
-
             row = {}
-            if step % t.log_every == 0 or step == t.max_steps:
+            if step == 1:  # never silently train in another precision than asked
+                row.update(policy.check(model, seen, params.master))
+            if not result.skipped:  # a skipped step's loss is often inf: keep it out of the mean
+                clean_loss_sum += result.loss
+                clean_steps += 1
+
+            if step == 1 or step % t.log_every == 0 or step == t.max_steps:
                 now = time.perf_counter()
                 n = step - last_step
-                row = {
-                    "train/loss": (loss_sum / n).item(),
-                    "train/lr": c.optimizer.param_groups[0]["lr"],
-                    "train/grad_norm": result.grad_norm.item(),
-                    "scaler/skipped": scaler.skipped_steps - skipped_at_last_row,
-                    **scaler.metrics(),
-                    "perf/samples_per_s": n * batch * accum / (now - last_time),
-                    "perf/step_ms": 1000 * (now - last_time) / n,
-                }
-                if device.type == "cuda":
+                loss = clean_loss_sum / clean_steps if clean_steps else result.loss
+                row.update(
+                    {
+                        "train/loss": loss.item(),
+                        "train/lr": c.optimizer.param_groups[0]["lr"],
+                        "train/grad_norm": result.grad_norm.item(),
+                        "scaler/skipped": scaler.skipped_steps - skipped_before,
+                        **scaler.metrics(),
+                        "perf/samples_per_s": n * per_step / (now - last_time),
+                        "perf/step_ms": 1000 * (now - last_time) / n,
+                    }
+                )
+                if c.device.type == "cuda":
                     row["perf/max_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
-                loss_sum.zero_()
-                last_step, last_time, skipped_at_last_row = step, now, scaler.skipped_steps
+                clean_loss_sum.zero_()
+                clean_steps, last_step, last_time, skipped_before = 0, step, now, scaler.skipped_steps
             if (t.val_every and step % t.val_every == 0) or step == t.max_steps:
-                row.update(evaluate(model, data, policy, batch, device))
+                row.update(evaluate(model, c.data, policy, cfg.data.batch_size, c.device))
             if row:
-                row = {"step": step, "samples": step * batch * accum, **row}
+                row = {"step": step, "samples": step * per_step, **row}
                 tracker.log(row)
                 final.update(row)
                 progress.update(step, final, scaler)
@@ -183,6 +186,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dic
         "scaler/min_scale": scaler.min_seen,
         "scaler/max_scale": scaler.max_seen,
         "scaler/final_scale": scaler.scale,
+        **{k: v for k, v in final.items() if k.startswith("precision/")},
         "steps": t.max_steps,
         "wall_s": elapsed,
         "exit_code": 0,
