@@ -13,7 +13,7 @@ from halfprec.scaling import TrainingAborted
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     try:
-        validate(cfg)  # before torch-heavy work: a bad value fails in a second, not after a build
+        validate(cfg)  # a bad value fails before any data or model is built
         from halfprec.train import run
 
         summary = run(cfg, HydraConfig.get().runtime.output_dir)

@@ -152,6 +152,45 @@ def runs(cli):
     return futures
 
 
+# The same matrix from the command line: one multirun per group (or pair of small groups) sweeps
+# every option file with Hydra's glob(*), paying the imports once per process.
+OPTION_SWEEPS = {
+    "precision": ["precision=glob(*,exclude=tf32)" if NO_CUDA else "precision=glob(*)", "model.hidden=[16]"],
+    "scaler": ["scaler=glob(*)", "precision=fp16", "model.hidden=[16]"],
+    "init": ["init=glob(*,exclude=fixup)", "model=fixup_resnet", "model.blocks_per_stage=1"],  # fixup: PROMISED
+    "model": ["model=glob(*)"],
+    "optim+sched": ["optim=glob(*)", "sched=glob(*)"],
+    "data+logger": ["data=glob(*)", "logger=glob(*)"],
+    "experiment": ["+experiment=glob(*)"],
+}
+
+
+@pytest.fixture(scope="module")
+def option_sweeps(cli):
+    return {
+        name: cli.submit(*([] if "logger" in name else ["logger=none"]), *overrides, multirun=True)
+        for name, overrides in OPTION_SWEEPS.items()
+    }
+
+
+@pytest.mark.parametrize("sweep", list(OPTION_SWEEPS))
+def test_every_config_option_runs_from_the_command_line(sweep, option_sweeps):
+    result = option_sweeps[sweep].result()
+    assert_clean_exit(result)
+    expected = 1
+    for override in OPTION_SWEEPS[sweep]:
+        if "glob(" in override:
+            group = override.lstrip("+").split("=")[0]
+            excluded = 1 if "exclude=" in override else 0
+            expected *= len(list((CONF / group).glob("*.yaml"))) - excluded
+    jobs = result.job_dirs()
+    assert len(jobs) == expected, [j.name for j in jobs]
+    for job in jobs:
+        rows = read_jsonl(job / "metrics.jsonl")
+        assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3], job.name
+        assert "val/acc" in rows[-1], job.name
+
+
 def assert_clean_exit(result):
     result.check()
     assert "Traceback" not in result.output

@@ -17,7 +17,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "O0", "O1", "O2", "O3")
 SCALERS = ("auto", "none", "static", "dynamic")
 INITS = ("default", "kaiming", "xavier", "fixup")
-DATASETS = ("digits", "synthetic")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -162,21 +161,21 @@ def validate(cfg: DictConfig) -> None:
         _positive(cfg, "init.scalar_lr_scale", "lr multiplier of Fixup's scalar biases", optional=True)
 
     # data
-    name = _one_of(cfg, "data.name", DATASETS)
-    _int_at_least(cfg, "data.batch_size", 1, "the micro-batch size; effective batch = batch_size * accum")
-    from halfprec import data  # light: sklearn is imported inside load_digits
+    from halfprec.data import DATASETS  # light: sklearn is imported inside load_digits
 
-    loader = data.load_digits if name == "digits" else data.make_synthetic
-    _known_keys(cfg, "data", ["name", "batch_size", *inspect.signature(loader).parameters], f"data={name}")
+    name = _one_of(cfg, "data.name", tuple(DATASETS))
+    batch = _int_at_least(cfg, "data.batch_size", 1, "the micro-batch size; effective batch = batch_size * accum")
+    loader_args = inspect.signature(DATASETS[name]).parameters
+    _known_keys(cfg, "data", ["name", "batch_size", *loader_args], f"data={name}")
+    limit = None
     if name == "digits":
         _need(cfg, "data.val_size", lambda v: _is_int(v) and 1 <= v < 1797, "must be an integer in [1, 1796]")
         limit = 1797 - cfg.data.val_size
-    else:
-        _int_at_least(cfg, "data.num_train", 1, "training samples")
+    elif name == "synthetic":
+        limit = _int_at_least(cfg, "data.num_train", 1, "training samples")
         _int_at_least(cfg, "data.num_val", 1, "validation samples")
-        limit = cfg.data.num_train
-    if cfg.data.batch_size > limit:
-        raise ConfigError("data.batch_size", cfg.data.batch_size, f"must be <= the {limit} training samples")
+    if limit is not None and batch > limit:
+        raise ConfigError("data.batch_size", batch, f"must be <= the {limit} training samples")
 
     # optimizer and schedule
     _need(cfg, "optim._target_", lambda v: isinstance(v, str) and "." in v, "must name an optimizer class")

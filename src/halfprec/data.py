@@ -59,11 +59,13 @@ def make_synthetic(
     return Dataset(split(num_train), split(num_val), tuple(shape), num_classes)
 
 
+# `data.name` -> loader; the other `data.*` keys (but batch_size) are the loader's arguments.
+DATASETS = {"digits": load_digits, "synthetic": make_synthetic}
+
+
 def build_dataset(cfg) -> Dataset:
     kwargs = {k: v for k, v in cfg.items() if k not in ("name", "batch_size")}
-    if cfg.name == "digits":
-        return load_digits(**kwargs)
-    return make_synthetic(**kwargs)
+    return DATASETS[cfg.name](**kwargs)
 
 
 class Batches:
