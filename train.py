@@ -7,6 +7,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from halfprec.config import ConfigError, validate
+from halfprec.init import InitError
+from halfprec.precision import PrecisionMismatch
 from halfprec.scaling import TrainingAborted
 
 
@@ -17,10 +19,10 @@ def main(cfg: DictConfig) -> float:
         from halfprec.train import run
 
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as err:
+    except (ConfigError, InitError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except TrainingAborted as err:
+    except (TrainingAborted, PrecisionMismatch) as err:
         print(f"error: training stopped: {err}", file=sys.stderr)
         sys.exit(3)
     return summary["val/acc"]  # the sweep metric (Optuna maximizes it)

@@ -80,11 +80,28 @@ def test_fixup_scales_branch_layers_by_depth():
     assert all(b.scale.item() == 1.0 and b.bias2b.item() == 0.0 for b in model.residual_blocks())
 
 
-def test_fixup_scalars_get_a_tenth_of_the_lr():
+def test_fixup_biases_and_scales_get_a_tenth_of_the_lr():
+    """As in the authors' code: every parameter named *bias* or *scale* (the classifier bias too)."""
     c = build(compose_cfg("model=fixup_resnet", "init=fixup", "optim.lr=0.2", "sched=constant"))
-    lrs = sorted(g["lr"] for g in c.optimizer.param_groups)
-    assert lrs == pytest.approx([0.02, 0.2])
-    assert all(p.numel() == 1 for p in c.optimizer.param_groups[1]["params"])
+    lrs = [g["lr"] for g in c.optimizer.param_groups]
+    assert lrs == pytest.approx([0.2, 0.02])
+    slow = {id(p) for p in c.optimizer.param_groups[1]["params"]}
+    names = {n for n, p in c.model.named_parameters() if id(p) in slow}
+    assert "classifier.bias" in names and "blocks.0.scale" in names and "blocks.0.bias1a" in names
+    assert not any(n.endswith("weight") for n in names)
+
+
+def test_fixup_downsampling_shortcut_sees_bias1a_identity_does_not():
+    model, _ = fixup_model(blocks_per_stage=1)
+    first, down = model.residual_blocks()[0], model.residual_blocks()[1]
+    with torch.no_grad():
+        for block in (first, down):
+            block.bias1a.fill_(0.5)
+            block.conv2.weight.zero_()  # branch output = bias2b = 0: the block is its shortcut
+    x = torch.rand(2, 8, 8, 8)
+    assert torch.equal(first(x), x)
+    y = torch.rand(2, 8, 8, 8)
+    assert torch.allclose(down(y)[:, :8], y[:, :, ::2, ::2] + 0.5)
 
 
 def test_fixup_refuses_a_model_without_residual_branches():

@@ -1,5 +1,7 @@
 """Precision modes: dtypes really used, master weights, and low-precision update rounding."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -149,3 +151,48 @@ def test_skipped_step_leaves_low_precision_weights_untouched():
     assert optimizer_step(model, [(x, y)], opt, sched, LossScaler(), p, params).skipped
     for w, b in zip(model.parameters(), before):
         assert w.dtype == b.dtype and torch.equal(w, b)
+
+
+def test_stochastic_rounding_leaves_fp32_norms_fp32():
+    model, p = normed_net(), policy("bf16_pure", update="stochastic")
+    kept = p.prepare_model(model)
+    params = OptimizerParams(model, p)
+    opt = torch.optim.SGD(params.params, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x, y = batch(16)
+    for _ in range(3):
+        assert not optimizer_step(model, [(x, y)], opt, sched, LossScaler(), p, params).skipped
+    assert all(w.dtype == F32 for m in kept for w in m.parameters())
+    assert all(m.weight.dtype == BF16 for m in model if isinstance(m, nn.Linear))
+
+
+def test_optimizer_state_stays_fp32_across_a_reload_in_pure_bf16():
+    model, p = normed_net(), policy("bf16_pure", update="kahan")
+    p.prepare_model(model)
+    params = OptimizerParams(model, p)
+    opt = torch.optim.AdamW(params.params, lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x, y = batch(16)
+    optimizer_step(model, [(x, y)], opt, sched, LossScaler(), p, params)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = torch.optim.AdamW(params.params, lr=1e-3)
+    params.load_optimizer_state(fresh, saved)
+    states = [s for s in fresh.state.values()]
+    assert states and all(s["exp_avg"].dtype == F32 and s["exp_avg_sq"].dtype == F32 for s in states)
+    assert optimizer_step(model, [(x, y)], fresh, sched, LossScaler(), p, params).loss.isfinite()
+
+
+def test_injected_nonfinite_gradient_skips_without_touching_batchnorm_stats():
+    from halfprec.train import inject_nonfinite_grad
+
+    model, p = normed_net(), policy("fp32")
+    params = OptimizerParams(model, p)
+    opt = torch.optim.SGD(params.params, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x, y = batch(32)
+    handle = inject_nonfinite_grad(model, accum=2)
+    result = optimizer_step(model, [(x[:16], y[:16]), (x[16:], y[16:])], opt, sched, LossScaler(), p, params)
+    handle.remove()
+    assert result.skipped
+    bn = model[5]
+    assert torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()

@@ -59,10 +59,18 @@ def test_hysteresis_tolerates_overflows_before_backing_off():
     assert s.scale == 512 and s.backoffs == 1  # the third overflow backs off
     s.update(False)
     s.update(True)
+    assert s.scale == 256  # allowance used up: until the scale grows, every overflow backs off
     s.update(True)
-    assert s.scale == 512  # allowance refilled after the back-off: two more tolerated
-    s.update(True)
-    assert s.scale == 256
+    assert s.scale == 128
+
+
+def test_hysteresis_matches_megatron_and_deepspeed_under_sustained_overflow():
+    s = DynamicLossScaler(init_scale=1024, growth_interval=100, hysteresis=2)
+    scales = []
+    for _ in range(6):
+        s.update(True)
+        scales.append(s.scale)
+    assert scales == [1024, 512, 256, 128, 64, 32]
 
 
 def test_hysteresis_allowance_refills_when_the_scale_grows():
@@ -74,6 +82,22 @@ def test_hysteresis_allowance_refills_when_the_scale_grows():
     assert s.scale == 16 and s.hysteresis_left == 2
     s.update(True)
     assert s.scale == 16
+
+
+def test_scale_underflow_to_zero_stops_the_run():
+    s = DynamicLossScaler(init_scale=1.0, backoff_factor=1e-200)
+    s.update(True)
+    with pytest.raises(TrainingAborted, match="underflowed to 0"):
+        s.update(True)
+
+
+def test_state_dict_holds_state_not_settings():
+    a = DynamicLossScaler(init_scale=256, growth_interval=3)
+    a.update(True)
+    b = DynamicLossScaler(init_scale=256, growth_interval=5, max_consecutive_skips=7)
+    b.load_state_dict(a.state_dict())
+    assert b.scale == 128 and b.skipped_steps == 1
+    assert b.growth_interval == 5 and b.max_consecutive_skips == 7  # from b's own config
 
 
 def test_min_scale_is_a_floor_and_an_overflow_at_the_floor_stops():
@@ -117,7 +141,7 @@ def test_state_dict_round_trip_continues_identically():
     a = DynamicLossScaler(init_scale=256, growth_interval=2, hysteresis=2, min_scale=1e-3)
     for overflow in pattern[:30]:
         a.update(overflow)
-    b = DynamicLossScaler()
+    b = DynamicLossScaler(init_scale=256, growth_interval=2, hysteresis=2, min_scale=1e-3)  # same config
     b.load_state_dict(a.state_dict())
     for overflow in pattern[30:]:
         a.update(overflow)

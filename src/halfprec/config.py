@@ -24,7 +24,20 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # The keys each group (or each kind within a group) takes. Hydra's struct mode rejects a typo in
 # `key=value`, but `+key=value` adds any key: this catches those instead of ignoring them.
 # Model, data, optimizer and init keys are checked against their functions' signatures.
-TOP_KEYS = ("accum", "seed", "precision", "scaler", "init", "model", "data", "optim", "sched", "logger", "trainer")
+TOP_KEYS = (
+    "accum",
+    "seed",
+    "resume",
+    "precision",
+    "scaler",
+    "init",
+    "model",
+    "data",
+    "optim",
+    "sched",
+    "logger",
+    "trainer",
+)
 PRECISION_KEYS = ("name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32")
 SCALER_KEYS = {
     "none": ("kind", "max_consecutive_skips"),
@@ -35,7 +48,8 @@ SCALER_KEYS = {
 SCALER_KEYS["auto"] = SCALER_KEYS["dynamic"]
 SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_steps", "min_lr_ratio")}
 LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
-TRAINER_KEYS = ("max_steps", "val_every", "log_every", "device", "deterministic", "progress", "inject_nonfinite_at")
+TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "deterministic", "progress",
+                "inject_nonfinite_at")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -103,7 +117,8 @@ def validate(cfg: DictConfig) -> None:
 
     _known_keys(cfg, "", TOP_KEYS, "the top level")
     _int_at_least(cfg, "accum", 1, "micro-batches per optimizer step, e.g. accum=4")
-    _need(cfg, "seed", _is_int, "must be an integer")
+    _need(cfg, "seed", lambda v: _is_int(v) and 0 <= v < 2**32, "must be an integer in [0, 2^32)")
+    _need(cfg, "resume", lambda v: v is None or isinstance(v, str), "must be null, auto or a checkpoint path")
 
     # precision
     _known_keys(cfg, "precision", PRECISION_KEYS, "precision")
@@ -115,6 +130,15 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             "precision.autocast", cfg.precision.autocast, "autocast needs fp32 parameters; use null in pure modes"
         )
+    if cfg.precision.master_weights and param_dtype == "float32":
+        raise ConfigError(
+            "precision.master_weights", True, f"precision={cfg.precision.name} keeps fp32 weights already; use false"
+        )
+    if cfg.precision.master_weights and update != "nearest":
+        raise ConfigError(
+            "precision.update", update, "applies to low-precision weights without master weights; "
+            "set precision.master_weights=false or precision.update=nearest",
+        )  # fmt: skip
     if update == "stochastic" and param_dtype != "bfloat16":
         raise ConfigError(
             "precision.update", update, f"stochastic rounding is implemented for bfloat16 weights, not {param_dtype}"
@@ -142,6 +166,12 @@ def validate(cfg: DictConfig) -> None:
     # model and init
     arch = _one_of(cfg, "model.arch", tuple(MODELS), " (models registered in halfprec.models)")
     _known_keys(cfg, "model", ["arch", *MODELS[arch].arguments()], f"model.arch={arch}")
+    positive_list = lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_is_int(i) and i >= 1 for i in v)  # noqa: E731
+    for key in ("hidden", "widths"):
+        if key in cfg.model:
+            _need(cfg, f"model.{key}", positive_list, "must be a non-empty list of positive integers, e.g. [64, 64]")
+    if "blocks_per_stage" in cfg.model:
+        _int_at_least(cfg, "model.blocks_per_stage", 1, "residual blocks per stage")
     scheme = _one_of(cfg, "init.scheme", INITS)
     from halfprec.init import INIT_SCHEMES
 
@@ -152,6 +182,8 @@ def validate(cfg: DictConfig) -> None:
         residual = ", ".join(f"model={name}" for name, entry in MODELS.items() if entry.residual)
         raise ConfigError("init", "fixup", f"model={arch} has no residual branches; Fixup supports {residual}")
     if scheme == "kaiming":
+        if cfg.init.zero_init_last and arch != "timm" and not MODELS[arch].residual:
+            raise ConfigError("init.zero_init_last", True, f"model={arch} has no residual branches to zero")
         _one_of(cfg, "init.conv_mode", ("fan_in", "fan_out"))
         _one_of(cfg, "init.linear_mode", ("fan_in", "fan_out"))
         _one_of(cfg, "init.distribution", ("normal", "uniform"))
@@ -194,6 +226,8 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "trainer.max_steps", 1, "optimizer steps to run")
     _int_at_least(cfg, "trainer.log_every", 1, "optimizer steps between metric rows")
     _int_at_least(cfg, "trainer.val_every", 0, "optimizer steps between validations; 0 = only at the end")
+    _int_at_least(cfg, "trainer.ckpt_every", 0, "optimizer steps between checkpoints; 0 = only at the end")
+    _int_at_least(cfg, "trainer.ckpt_keep", 1, "checkpoints kept in <run dir>/checkpoints")
     _one_of(cfg, "trainer.device", DEVICES)
     _need(
         cfg,

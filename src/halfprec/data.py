@@ -84,6 +84,13 @@ class Batches:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.y), generator=g).to(self.x.device)
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
+        self._order = self._shuffle()
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
 

@@ -231,6 +231,8 @@ class OptimizerParams:
                 p.grad = None
                 if not stepped:
                     p.data = before
+                elif before.dtype == torch.float32:  # a module kept in fp32 (norms): no rounding
+                    pass
                 elif self.policy.update == "stochastic":
                     p.data = stochastic_round_to_bf16(p.data)
                 elif self.kahan is not None:
@@ -243,6 +245,19 @@ class OptimizerParams:
                 else:
                     p.data = p.data.to(before.dtype)
             self._lowp_before = []
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Optimizer.load_state_dict casts state to each parameter's dtype; in lowp mode the
+        state is fp32 while the parameters are not, so load it while they are upcast."""
+        if self.mode != "lowp":
+            optimizer.load_state_dict(state)
+            return
+        lowp = [p.data for p in self.params]
+        for p in self.params:
+            p.data = p.data.float()
+        optimizer.load_state_dict(state)
+        for p, data in zip(self.params, lowp):
+            p.data = data
 
     def state_dict(self) -> dict:
         return {

@@ -75,17 +75,18 @@ class LossScaler:
             "scaler/overflow_rate": self.overflow_rate,
         }
 
+    # What changes while training; the settings (init_scale, growth_interval, ...) come from the config.
+    STATE = ("scale", "steps", "skipped_steps", "consecutive_skips", "growths", "backoffs", "min_seen", "max_seen")
+
     def state_dict(self) -> dict:
-        state = {k: v for k, v in vars(self).items() if k != "recent"}
+        state = {k: getattr(self, k) for k in self.STATE}
         state["recent"] = list(self.recent)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            if k == "recent":
-                self.recent = deque(v, maxlen=self.recent.maxlen)
-            else:
-                setattr(self, k, v)
+        for k in self.STATE:
+            setattr(self, k, state[k])
+        self.recent = deque(state["recent"], maxlen=self.recent.maxlen)
 
 
 class StaticLossScaler(LossScaler):
@@ -102,14 +103,16 @@ class DynamicLossScaler(LossScaler):
     """torch.amp.GradScaler's rule, plus hysteresis and a floor.
 
     On an overflow the scale is multiplied by `backoff_factor`, but only once `hysteresis`
-    overflows have happened since the scale last grew (hysteresis=1 is torch's behaviour; the
-    allowance refills when the scale grows, as in Megatron and DeepSpeed). After
+    overflows have happened since the scale last grew; after that, every overflow backs off
+    until the scale grows again, which refills the allowance (Megatron's and DeepSpeed's rule;
+    hysteresis=1 is torch's behaviour). After
     `growth_interval` clean steps in a row the scale is multiplied by `growth_factor`.
     A back-off never takes the scale below `min_scale`; an overflow while the scale is already
     at that floor stops the run, since such gradients are non-finite, not just large.
     """
 
     kind = "dynamic"
+    STATE = (*LossScaler.STATE, "growth_tracker", "hysteresis_left")
 
     def __init__(
         self,
@@ -137,7 +140,6 @@ class DynamicLossScaler(LossScaler):
             self.hysteresis_left -= 1
             if self.hysteresis_left > 0:
                 return
-            self.hysteresis_left = self.hysteresis
             if self.min_scale is not None and self.scale <= self.min_scale:
                 raise TrainingAborted(
                     f"the loss scale is at its floor (scaler.min_scale={self.min_scale:g}) and step "
@@ -148,6 +150,11 @@ class DynamicLossScaler(LossScaler):
             if self.min_scale is not None:
                 self.scale = max(self.scale, self.min_scale)
             self.backoffs += 1
+            if self.scale == 0.0:
+                raise TrainingAborted(
+                    "the loss scale underflowed to 0 (no scaler.min_scale set): every gradient would be zero; "
+                    "set scaler.min_scale, lower optim.lr or try precision=bf16"
+                )
         else:
             self.growth_tracker += 1
             if self.growth_tracker == self.growth_interval:

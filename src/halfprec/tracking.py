@@ -13,9 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 class JsonlSink:
     """One JSON object per line, flushed per row so a crash loses nothing already logged."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, resume_step: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        if resume_step is not None and path.exists():
+            # rows logged after the checkpoint (before a kill) are logged again by the resumed run
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, row: dict[str, Any]) -> None:
@@ -31,10 +37,14 @@ class JsonlSink:
 class WandbSink:
     """A W&B run under `<run dir>/wandb/`, carrying the resolved config, finished exactly once."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, name: str, group: str | None, tags: list[str]):
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, name: str, group: str | None, tags: list[str], run_id: str | None
+    ):
         import wandb  # only when the logger is on
 
         self.run = wandb.init(
+            id=run_id,
+            resume="allow" if run_id else None,
             project=cfg.logger.project,
             entity=cfg.logger.entity,
             mode=cfg.logger.mode,
@@ -62,6 +72,10 @@ class WandbSink:
 class Tracker:
     def __init__(self, sinks: list):
         self.sinks = sinks
+
+    @property
+    def wandb_id(self) -> str | None:
+        return next((s.run.id for s in self.sinks if isinstance(s, WandbSink)), None)
 
     def log(self, row: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -92,9 +106,12 @@ def run_identity(cfg: DictConfig, run_dir: Path) -> tuple[str, str | None, list[
     return name, group, tags
 
 
-def build_tracker(cfg: DictConfig, run_dir: Path) -> Tracker:
-    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+def build_tracker(
+    cfg: DictConfig, run_dir: Path, resume_step: int | None = None, wandb_id: str | None = None
+) -> Tracker:
+    """metrics.jsonl always, W&B when on; on resume, continue both from `resume_step`."""
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
     if cfg.logger.kind == "wandb":
         name, group, tags = run_identity(cfg, run_dir)
-        sinks.append(WandbSink(cfg, run_dir, name, group, tags))
+        sinks.append(WandbSink(cfg, run_dir, name, group, tags, wandb_id))
     return Tracker(sinks)

@@ -7,17 +7,26 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from halfprec.config import resolve_device, validate, validate_optimizer
+from halfprec.checkpoint import (
+    check_resume_config,
+    checkpoint_files,
+    find_resume_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from halfprec.config import ConfigError, resolve_device, validate, validate_optimizer
 from halfprec.data import Batches, Dataset, build_dataset, eval_batches
 from halfprec.init import apply_init
 from halfprec.models import create_model
@@ -37,14 +46,21 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def build_optimizer(cfg: DictConfig, params: OptimizerParams, model: nn.Module) -> torch.optim.Optimizer:
-    """`optim._target_` over the optimizer's tensors; Fixup's scalar biases get lr * scalar_lr_scale."""
+    """`optim._target_` over the optimizer's tensors. With Fixup, biases and scales get
+    lr * init.scalar_lr_scale, chosen by name as in the authors' code (the classifier bias too)."""
     kwargs = {k: v for k, v in cfg.optim.items() if k != "clip_grad_norm"}
     lr_scale = cfg.init.get("scalar_lr_scale")
-    scalars = {n for n, p in model.named_parameters() if p.numel() == 1} if lr_scale else set()
-    groups = [{"params": [p for n, p in params.named() if n not in scalars]}]
-    if scalars:
-        groups.append({"params": [p for n, p in params.named() if n in scalars], "lr": cfg.optim.lr * lr_scale})
-    return instantiate(kwargs, groups, _convert_="all")
+    slow = set()
+    if lr_scale:
+        slow = {n for n, _ in params.named() if "bias" in n.rsplit(".", 1)[-1] or "scale" in n.rsplit(".", 1)[-1]}
+    groups = [{"params": [p for n, p in params.named() if n not in slow]}]
+    if slow:
+        groups.append({"params": [p for n, p in params.named() if n in slow], "lr": cfg.optim.lr * lr_scale})
+    try:
+        return instantiate(kwargs, groups, _convert_="all")
+    except Exception as err:  # torch's own argument checks ("Invalid weight_decay value: -1")
+        cause = err.__cause__ or err
+        raise ConfigError("optim", cfg.optim._target_, f"{type(cause).__name__}: {cause}") from None
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -111,56 +127,120 @@ def build(cfg: DictConfig) -> Components:
     return Components(model, data, policy, params, optimizer, scheduler, scaler, device)
 
 
+def inject_nonfinite_grad(model: nn.Module, accum: int):
+    """Make the window's last micro-batch produce inf gradients, for checking the skip path end
+    to end. Through a gradient hook, so the forward (and BatchNorm statistics) stay finite."""
+    param = next(p for p in model.parameters() if p.requires_grad)
+    calls = [0]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return grad * float("inf") if calls[0] == accum else grad
+
+    return param.register_hook(hook)
+
+
+@dataclass
+class LoopState:
+    """What the loop carries between steps; checkpointed so a resumed run logs identical rows."""
+
+    step: int = 0
+    last_row_step: int = 0
+    skipped_before: int = 0  # scaler.skipped_steps at the last row
+    clean_loss_sum: float = 0.0  # sum of non-skipped step losses since the last row
+    clean_steps: int = 0
+    final: dict = field(default_factory=dict)
+
+
+def checkpoint_state(cfg: DictConfig, c: Components, batches: Batches, loop: LoopState, tracker) -> dict:
+    return {
+        "step": loop.step,
+        "model": c.model.state_dict(),
+        "params": c.params.state_dict(),
+        "optimizer": c.optimizer.state_dict(),
+        "scheduler": c.scheduler.state_dict(),
+        "scaler": c.scaler.state_dict(),
+        "rng": rng_state(),
+        "data": batches.state_dict(),
+        "loop": asdict(loop),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "wandb_id": tracker.wandb_id,
+    }
+
+
+def restore(ckpt: dict, c: Components, batches: Batches) -> LoopState:
+    c.model.load_state_dict(ckpt["model"])
+    c.params.load_state_dict(ckpt["params"])
+    c.params.load_optimizer_state(c.optimizer, ckpt["optimizer"])
+    c.scheduler.load_state_dict(ckpt["scheduler"])
+    c.scaler.load_state_dict(ckpt["scaler"])
+    batches.load_state_dict(ckpt["data"])
+    set_rng_state(ckpt["rng"])
+    return LoopState(**ckpt["loop"])
+
+
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Train as `cfg` says, writing metrics under `run_dir`. Returns the final metrics."""
+    """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics."""
+    run_dir = Path(run_dir)
+    ckpt = None
+    if cfg.resume is not None:
+        path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints")
+        ckpt = load_checkpoint(path)
+        for note in check_resume_config(ckpt["config"], OmegaConf.to_container(cfg, resolve=True), path):
+            print(f"resume: {note}", file=sys.stderr)
     c = build(cfg)
     batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device)
-    tracker = build_tracker(cfg, Path(run_dir))
+    loop = restore(ckpt, c, batches) if ckpt else LoopState()
+    tracker = build_tracker(cfg, run_dir, resume_step=loop.step if ckpt else None, wandb_id=ckpt and ckpt["wandb_id"])
     summary: dict = {"exit_code": 1}
     try:
-        summary = train_loop(cfg, c, batches, tracker)
+        summary = train_loop(cfg, c, batches, tracker, loop, run_dir / "checkpoints")
     finally:
         tracker.finish(summary)
     return summary
 
 
-def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dict:
+def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: LoopState, ckpt_dir: Path) -> dict:
     model, policy, params, scaler = c.model, c.policy, c.params, c.scaler
     t = cfg.trainer
     per_step = cfg.data.batch_size * cfg.accum
     inject = set(t.inject_nonfinite_at)
     start = last_time = time.perf_counter()
-    last_step, skipped_before, final = 0, 0, {}
-    clean_loss_sum, clean_steps = torch.zeros((), device=c.device), 0
+    first = loop.step + 1
     model.train()
     with Progress(t.max_steps, enabled=t.progress) as progress:
-        for step in range(1, t.max_steps + 1):
+        for step in range(first, t.max_steps + 1):
+            loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]
-            if step in inject:  # fault injection for checking the skip path end to end
-                x, y = micro[-1]
-                micro[-1] = (torch.full_like(x, float("inf")), y)
-            watch = observe_compute_dtypes(model) if step == 1 else contextlib.nullcontext()
+            lr = c.optimizer.param_groups[0]["lr"]  # the lr this step uses
+            injected = inject_nonfinite_grad(model, cfg.accum) if step in inject else None
+            watch = observe_compute_dtypes(model) if step == first else contextlib.nullcontext()
             with watch as seen:
                 result = optimizer_step(
                     model, micro, c.optimizer, c.scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
                 )
+            if injected is not None:
+                injected.remove()
             row = {}
-            if step == 1:  # never silently train in another precision than asked
-                row.update(policy.check(model, seen, params.master))
+            if step == first:  # never silently train in another precision than asked (also on resume)
+                dtypes = policy.check(model, seen, params.master)
+                if step == 1:
+                    row.update(dtypes)
             if not result.skipped:  # a skipped step's loss is often inf: keep it out of the mean
-                clean_loss_sum += result.loss
-                clean_steps += 1
+                # accumulate on the device; the host reads it back only when a row is logged
+                loop.clean_loss_sum = result.loss + loop.clean_loss_sum
+                loop.clean_steps += 1
 
             if step == 1 or step % t.log_every == 0 or step == t.max_steps:
                 now = time.perf_counter()
-                n = step - last_step
-                loss = clean_loss_sum / clean_steps if clean_steps else result.loss
+                n = step - loop.last_row_step
+                loss = loop.clean_loss_sum / loop.clean_steps if loop.clean_steps else result.loss
                 row.update(
                     {
-                        "train/loss": loss.item(),
-                        "train/lr": c.optimizer.param_groups[0]["lr"],
+                        "train/loss": float(loss),
+                        "train/lr": lr,
                         "train/grad_norm": result.grad_norm.item(),
-                        "scaler/skipped": scaler.skipped_steps - skipped_before,
+                        "scaler/skipped": scaler.skipped_steps - loop.skipped_before,
                         **scaler.metrics(),
                         "perf/samples_per_s": n * per_step / (now - last_time),
                         "perf/step_ms": 1000 * (now - last_time) / n,
@@ -168,16 +248,23 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dic
                 )
                 if c.device.type == "cuda":
                     row["perf/max_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
-                clean_loss_sum.zero_()
-                clean_steps, last_step, last_time, skipped_before = 0, step, now, scaler.skipped_steps
+                loop.clean_loss_sum, loop.clean_steps = 0.0, 0
+                loop.last_row_step, loop.skipped_before, last_time = step, scaler.skipped_steps, now
             if (t.val_every and step % t.val_every == 0) or step == t.max_steps:
                 row.update(evaluate(model, c.data, policy, cfg.data.batch_size, c.device))
+                last_time = time.perf_counter()  # keep validation out of perf/step_ms
             if row:
                 row = {"step": step, "samples": step * per_step, **row}
                 tracker.log(row)
-                final.update(row)
-                progress.update(step, final, scaler)
+                loop.final.update(row)
+                progress.update(step, loop.final, scaler)
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps:
+                if torch.is_tensor(loop.clean_loss_sum):
+                    loop.clean_loss_sum = loop.clean_loss_sum.item()
+                state = checkpoint_state(cfg, c, batches, loop, tracker)
+                save_checkpoint(state, ckpt_dir, step, t.ckpt_keep)
     elapsed = time.perf_counter() - start
+    final = loop.final
     summary = {
         "train/loss": final["train/loss"],
         "val/loss": final["val/loss"],
@@ -188,11 +275,12 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker) -> dic
         "scaler/final_scale": scaler.scale,
         **{k: v for k, v in final.items() if k.startswith("precision/")},
         "steps": t.max_steps,
+        "checkpoint": str(checkpoint_files(ckpt_dir)[-1]),
         "wall_s": elapsed,
         "exit_code": 0,
     }
     print(
-        f"done: {t.max_steps} steps in {elapsed:.1f}s | train/loss {summary['train/loss']:.4f} | "
+        f"done: {t.max_steps - first + 1} steps in {elapsed:.1f}s | train/loss {summary['train/loss']:.4f} | "
         f"val/acc {summary['val/acc']:.4f} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "
         f"(min {scaler.min_seen:g}, max {scaler.max_seen:g})",
         file=sys.stderr,

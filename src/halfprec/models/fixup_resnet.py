@@ -51,8 +51,9 @@ class FixupBasicBlock(nn.Module):
         nn.init.zeros_(self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The reference adds bias1a to the shortcut input as well; its effect at init is nil.
-        return F.relu(self.branch(x) + self.shortcut(x + self.bias1a))
+        # As in the authors' code, a downsampling shortcut also sees bias1a; an identity one does not.
+        shortcut = self.shortcut(x + self.bias1a) if self.stride != 1 or self.extra_channels else x
+        return F.relu(self.branch(x) + shortcut)
 
 
 class FixupResNet(nn.Module):

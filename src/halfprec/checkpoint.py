@@ -1,0 +1,129 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint holds everything the next step depends on: model, fp32 master weights (and Kahan
+buffers), optimizer, scheduler, loss-scaler state and counters, RNG states, the data position,
+the step, the resolved config and the W&B run id. Files are written to a temp name, fsynced and
+renamed, so a kill during a save leaves the previous checkpoints intact and no torn file under
+a checkpoint name.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
+
+# Config keys that may differ on resume: they change how long or how visibly the run goes on,
+# not what a step computes. Anything else (model, precision, data, optimizer, ...) is an error.
+RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
+                     "trainer.ckpt_every", "trainer.ckpt_keep", "logger")  # fmt: skip
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints in `ckpt_dir`, oldest first (temp files of an interrupted save are ignored)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := CKPT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(state: dict, ckpt_dir: Path, step: int, keep: int) -> Path:
+    """Write `step-<step>.pt` atomically, then delete all but the newest `keep` checkpoints."""
+    path = ckpt_dir / f"step-{step:08d}.pt"
+    save_atomic(state, path)
+    for old in checkpoint_files(ckpt_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_checkpoint(path: Path) -> dict:
+    # weights_only=False: the checkpoint holds RNG states and the config, which are not tensors;
+    # only load checkpoints you wrote.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path:
+    """`resume=auto`: the newest checkpoint in this run's dir; otherwise a checkpoint file or dir."""
+    from halfprec.config import ConfigError
+
+    if resume == "auto":
+        found = checkpoint_files(ckpt_dir)
+        if not found:
+            raise ConfigError(
+                "resume", resume, f"no checkpoint in {ckpt_dir}; pass hydra.run.dir=<the run dir> or resume=<file>"
+            )
+        return found[-1]
+    path = Path(resume)
+    if path.is_dir():
+        found = checkpoint_files(path) or checkpoint_files(path / "checkpoints")
+        if not found:
+            raise ConfigError("resume", resume, "no step-*.pt checkpoint in that directory")
+        return found[-1]
+    if not path.is_file():
+        raise ConfigError("resume", resume, "no such file; use resume=auto or the path of a step-*.pt checkpoint")
+    return path
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
+    """Raise on a config change that breaks continuation; return notes on the harmless ones."""
+    from halfprec.config import ConfigError
+
+    old, new = _flatten(saved), _flatten(current)
+    notes = []
+    for key in sorted(old.keys() | new.keys()):
+        if old.get(key) == new.get(key):
+            continue
+        change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        if not any(key == k or key.startswith(k + ".") for k in RESUMABLE_CHANGES):
+            raise ConfigError(
+                key, new.get(key), f"{path} was trained with {key}={old.get(key)!r}; resume with the same value"
+            )
+        if key != "resume":
+            notes.append(f"{change} (allowed)")
+    return notes

@@ -1,0 +1,93 @@
+"""Checkpoints and exact resume: a run killed with SIGKILL and resumed equals an uninterrupted one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_jsonl
+
+from halfprec.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
+from halfprec.config import ConfigError
+from halfprec.train import run
+
+from helpers import compose_cfg
+
+TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+FP32 = ["model.hidden=[512,512]", "trainer.max_steps=400", "trainer.ckpt_every=25", "trainer.log_every=5",
+        "trainer.val_every=50"]  # fmt: skip
+FP16 = ["precision=fp16", "model.hidden=[64]", "trainer.max_steps=300", "trainer.ckpt_every=25",
+        "trainer.log_every=1", "scaler.growth_interval=7", "trainer.inject_nonfinite_at=[30,31,90,200]"]  # fmt: skip
+
+
+def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(TRAIN), "logger=none", "trainer.progress=false", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def kill_midway(run_dir: Path, overrides: list[str], after_step: int) -> int:
+    """Start a run, SIGKILL it once metrics.jsonl shows `after_step`; return the last step it logged."""
+    proc = subprocess.Popen(train_cmd(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if lines and lines[-1].endswith("}") and read_jsonl(metrics)[-1]["step"] >= after_step:
+            break
+        time.sleep(0.002)
+    assert proc.poll() is None, "the run ended before it could be killed: make it longer"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return read_jsonl(metrics)[-1]["step"]
+
+
+def without_perf(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.mark.parametrize("overrides,kill_at", [(FP32, 130), (FP16, 110)], ids=["fp32", "fp16-dynamic"])
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, overrides, kill_at):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(train_cmd(straight, *overrides), check=True, capture_output=True)
+    last = kill_midway(killed, overrides, kill_at)
+    max_steps = int(next(o for o in overrides if o.startswith("trainer.max_steps=")).split("=")[1])
+    assert last < max_steps
+    resumed = subprocess.run(train_cmd(killed, *overrides, "resume=auto"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(killed / "metrics.jsonl")
+    assert [r["step"] for r in b] == [r["step"] for r in a]  # rows logged after the checkpoint were replaced
+    assert without_perf(b) == without_perf(a)  # bitwise: floats compare exactly
+    ca = load_checkpoint(checkpoint_files(straight / "checkpoints")[-1])
+    cb = load_checkpoint(checkpoint_files(killed / "checkpoints")[-1])
+    for name, tensor in ca["model"].items():
+        assert torch.equal(cb["model"][name], tensor), name
+    assert cb["scaler"] == ca["scaler"]
+    if "precision=fp16" in overrides:
+        scales = [r["scaler/scale"] for r in a]
+        assert len(set(scales)) > 3 and ca["scaler"]["skipped_steps"] >= 4  # the scale really moved
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint({"step": step}, tmp_path, step, keep=2)
+    (tmp_path / ".step-00000050.pt.tmp-123").write_bytes(b"torn")  # a save killed midway
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["step-00000030.pt", "step-00000040.pt"]
+
+
+def test_resume_refuses_a_different_model_and_allows_more_steps(tmp_path, capsys):
+    run(compose_cfg("trainer.max_steps=20", "trainer.ckpt_every=10"), tmp_path)
+    with pytest.raises(ConfigError, match=r"model.hidden=.*trained with"):
+        run(compose_cfg("trainer.max_steps=30", "resume=auto", "model.hidden=[8]"), tmp_path)
+    summary = run(compose_cfg("trainer.max_steps=30", "resume=auto"), tmp_path)
+    assert "trainer.max_steps: 20 -> 30 (allowed)" in capsys.readouterr().err
+    assert summary["steps"] == 30
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")][-1] == 30
+
+
+def test_resume_auto_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint in"):
+        run(compose_cfg("resume=auto"), tmp_path)
