@@ -34,3 +34,19 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
 def batch(n: int, seed: int = 0, shape=(1, 8, 8), classes: int = 10):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+# The dtypes each precision option must really compute in and store Linear/Conv weights in.
+# An option not listed here is held to what its own config says.
+DTYPES = {
+    "fp32": ("float32", "float32"),
+    "tf32": ("float32", "float32"),
+    "O0": ("float32", "float32"),
+    "fp16": ("float16", "float32"),
+    "O1": ("float16", "float32"),
+    "bf16": ("bfloat16", "float32"),
+    "fp16_pure": ("float16", "float16"),
+    "O2": ("float16", "float16"),
+    "O3": ("float16", "float16"),
+    "bf16_pure": ("bfloat16", "bfloat16"),
+}

@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import wandb_records
+from helpers import DTYPES
 
 # ---------------------------------------------------------------------------------------------
 # Every option of every config group composes and trains a few steps
@@ -43,20 +44,6 @@ TINY = {
     "mlp": ["model.hidden=[16]"],
     "fixup_resnet": ["model.blocks_per_stage=1", "model.widths=[4,8,8]"],
     "timm": ["model.name=test_resnet"],
-}
-# The dtypes each precision option must really compute in and store Linear/Conv weights in.
-# An option not listed here is held to what its own config says.
-DTYPES = {
-    "fp32": ("float32", "float32"),
-    "tf32": ("float32", "float32"),
-    "O0": ("float32", "float32"),
-    "fp16": ("float16", "float32"),
-    "O1": ("float16", "float32"),
-    "bf16": ("bfloat16", "float32"),
-    "fp16_pure": ("float16", "float16"),
-    "O2": ("float16", "float16"),
-    "O3": ("float16", "float16"),
-    "bf16_pure": ("bfloat16", "bfloat16"),
 }
 NO_CUDA = not torch.cuda.is_available()
 

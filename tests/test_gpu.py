@@ -5,25 +5,16 @@ import torch
 
 from halfprec.train import run
 
-from helpers import compose_cfg
+from helpers import DTYPES, compose_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-EXPECTED = {  # precision -> (compute dtype, weight dtype)
-    "fp32": ("float32", "float32"),
-    "tf32": ("float32", "float32"),
-    "fp16": ("float16", "float32"),
-    "bf16": ("bfloat16", "float32"),
-    "fp16_pure": ("float16", "float16"),
-    "bf16_pure": ("bfloat16", "bfloat16"),
-}
 
-
-@pytest.mark.parametrize("precision", list(EXPECTED))
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure"])
 def test_precision_mode_on_cuda(precision, tmp_path):
     cfg = compose_cfg(f"precision={precision}", "trainer.device=cuda", "trainer.max_steps=200", "trainer.log_every=50")
     summary = run(cfg, tmp_path)
-    assert (summary["precision/compute_dtype"], summary["precision/param_dtype"]) == EXPECTED[precision]
+    assert (summary["precision/compute_dtype"], summary["precision/param_dtype"]) == DTYPES[precision]
     assert summary["val/acc"] > 0.9
     assert summary["scaler/skipped_steps"] <= 2
 
