@@ -78,6 +78,10 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _positive_int_list(v: Any) -> bool:
+    return isinstance(v, ListConfig) and len(v) > 0 and all(_is_int(i) and i >= 1 for i in v)
+
+
 def _need(cfg: DictConfig, key: str, ok: Callable[[Any], bool], fix: str) -> Any:
     value = OmegaConf.select(cfg, key, default=None)
     if not ok(value):
@@ -166,10 +170,11 @@ def validate(cfg: DictConfig) -> None:
     # model and init
     arch = _one_of(cfg, "model.arch", tuple(MODELS), " (models registered in halfprec.models)")
     _known_keys(cfg, "model", ["arch", *MODELS[arch].arguments()], f"model.arch={arch}")
-    positive_list = lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_is_int(i) and i >= 1 for i in v)  # noqa: E731
     for key in ("hidden", "widths"):
         if key in cfg.model:
-            _need(cfg, f"model.{key}", positive_list, "must be a non-empty list of positive integers, e.g. [64, 64]")
+            _need(
+                cfg, f"model.{key}", _positive_int_list, "must be a non-empty list of positive integers, e.g. [64, 64]"
+            )
     if "blocks_per_stage" in cfg.model:
         _int_at_least(cfg, "model.blocks_per_stage", 1, "residual blocks per stage")
     scheme = _one_of(cfg, "init.scheme", INITS)
