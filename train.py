@@ -6,6 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from halfprec.checkpoint import Preempted
 from halfprec.config import ConfigError, validate
 from halfprec.init import InitError
 from halfprec.precision import PrecisionMismatch
@@ -25,6 +26,9 @@ def main(cfg: DictConfig) -> float:
     except (TrainingAborted, PrecisionMismatch) as err:
         print(f"error: training stopped: {err}", file=sys.stderr)
         sys.exit(3)
+    except Preempted as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(4)
     return summary["val/acc"]  # the sweep metric (Optuna maximizes it)
 
 

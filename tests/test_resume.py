@@ -1,5 +1,6 @@
 """Checkpoints and exact resume: a run killed with SIGKILL and resumed equals an uninterrupted one."""
 
+import json
 import os
 import signal
 import subprocess
@@ -34,14 +35,22 @@ def kill_midway(run_dir: Path, overrides: list[str], after_step: int) -> int:
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        if lines and lines[-1].endswith("}") and read_jsonl(metrics)[-1]["step"] >= after_step:
+        rows = complete_rows(metrics)
+        if rows and rows[-1]["step"] >= after_step:
             break
         time.sleep(0.002)
     assert proc.poll() is None, "the run ended before it could be killed: make it longer"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    return read_jsonl(metrics)[-1]["step"]
+    return complete_rows(metrics)[-1]["step"]
+
+
+def complete_rows(path: Path) -> list[dict]:
+    """Rows of a metrics.jsonl being written (or killed mid-write): a torn last line is left out."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines(keepends=True)
+    return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 def without_perf(rows: list[dict]) -> list[dict]:
@@ -69,6 +78,16 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, overrides, ki
     if "precision=fp16" in overrides:
         scales = [r["scaler/scale"] for r in a]
         assert len(set(scales)) > 3 and ca["scaler"]["skipped_steps"] >= 4  # the scale really moved
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    run(compose_cfg("trainer.max_steps=20", "trainer.ckpt_every=10", "trainer.log_every=5"), tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    keep = "".join(line for line in metrics.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= 10)
+    metrics.write_text(keep + '{"step": 15, "train/lo')  # what a SIGKILL mid-write leaves
+    (tmp_path / "checkpoints" / "step-00000020.pt").unlink()
+    run(compose_cfg("trainer.max_steps=20", "trainer.ckpt_every=10", "trainer.log_every=5", "resume=auto"), tmp_path)
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 5, 10, 15, 20]
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):

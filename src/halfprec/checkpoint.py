@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,33 @@ CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 # not what a step computes. Anything else (model, precision, data, optimizer, ...) is an error.
 RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
                      "trainer.ckpt_every", "trainer.ckpt_keep", "logger")  # fmt: skip
+
+
+class Preempted(Exception):
+    """A stop signal (SIGTERM, SIGUSR1) arrived; a checkpoint was saved. The message says how to resume."""
+
+
+class StopSignals:
+    """Turns SIGTERM and SIGUSR1 (SLURM's warning before preemption or time limit) into a flag
+    the loop checks after each step, so it stops at a step boundary with a checkpoint."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -73,10 +102,27 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+CHECKPOINT_KEYS = ("step", "model", "params", "optimizer", "scheduler", "scaler", "rng", "data", "loop", "config")
+
+
 def load_checkpoint(path: Path) -> dict:
-    # weights_only=False: the checkpoint holds RNG states and the config, which are not tensors;
-    # only load checkpoints you wrote.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """Load a checkpoint written by save_checkpoint; a torn or foreign file is a ConfigError."""
+    from halfprec.config import ConfigError
+
+    try:
+        # weights_only=False: the checkpoint holds RNG states and the config, which are not
+        # tensors; only load checkpoints you wrote.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise ConfigError(
+            "resume",
+            str(path),
+            f"unreadable checkpoint ({type(err).__name__}); delete it or resume=<an older step-*.pt>",
+        ) from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ConfigError("resume", str(path), f"not a halfprec checkpoint (missing {', '.join(missing)})")
+    return state
 
 
 def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path:

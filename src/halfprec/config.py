@@ -48,8 +48,8 @@ SCALER_KEYS = {
 SCALER_KEYS["auto"] = SCALER_KEYS["dynamic"]
 SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_steps", "min_lr_ratio")}
 LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
-TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "deterministic", "progress",
-                "inject_nonfinite_at")  # fmt: skip
+TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "nonfinite",
+                "deterministic", "progress", "inject_nonfinite_at")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -234,6 +234,7 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "trainer.ckpt_every", 0, "optimizer steps between checkpoints; 0 = only at the end")
     _int_at_least(cfg, "trainer.ckpt_keep", 1, "checkpoints kept in <run dir>/checkpoints")
     _one_of(cfg, "trainer.device", DEVICES)
+    _one_of(cfg, "trainer.nonfinite", ("skip", "abort"), " (what a non-finite step does when nothing scales the loss)")
     _need(
         cfg,
         "trainer.inject_nonfinite_at",

@@ -217,6 +217,13 @@ class OptimizerParams:
             p.grad = grad
         return [p.grad for p in self.params if p.grad is not None]
 
+    def first_nonfinite(self) -> str | None:
+        """Name of the first parameter (in model order) whose unscaled gradient is inf/NaN."""
+        for name, p in self.named():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return name
+        return None
+
     @torch.no_grad()
     def finish_(self, stepped: bool) -> None:
         """After the optimizer step (or the skip): bring the update into the model's weights."""

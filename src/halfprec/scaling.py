@@ -17,6 +17,8 @@ import torch
 class TrainingAborted(RuntimeError):
     """Training cannot usefully continue; the message says why and what to try."""
 
+    culprit: str | None = None  # set by the optimizer step: first parameter with a non-finite gradient
+
 
 class LossScaler:
     """No scaling (scale 1). Still counts non-finite steps, which are skipped."""
@@ -34,6 +36,7 @@ class LossScaler:
         self.min_seen = self.scale
         self.max_seen = self.scale
         self.recent = deque(maxlen=window)  # 1 per overflowed step, for scaler/overflow_rate
+        self.history = deque(maxlen=12)  # (step, scale after the update, overflowed): for crash reports
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scale == 1.0 else loss * self.scale
@@ -50,6 +53,7 @@ class LossScaler:
         self._update_scale(found_inf)
         self.min_seen = min(self.min_seen, self.scale)
         self.max_seen = max(self.max_seen, self.scale)
+        self.history.append((self.steps, self.scale, found_inf))
         limit = self.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit:
             raise TrainingAborted(
@@ -61,6 +65,9 @@ class LossScaler:
 
     def _update_scale(self, found_inf: bool) -> None:
         pass
+
+    def history_tail(self) -> str:
+        return ", ".join(f"{s}:{scale:g}{'!' if inf else ''}" for s, scale, inf in self.history)
 
     @property
     def overflow_rate(self) -> float:

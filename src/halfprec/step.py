@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfprec.precision import OptimizerParams, PrecisionPolicy
-from halfprec.scaling import LossScaler
+from halfprec.scaling import LossScaler, TrainingAborted
 
 
 @dataclass
@@ -18,6 +18,7 @@ class StepResult:
     loss: torch.Tensor  # mean unscaled loss over the window; stays on the device (no sync)
     grad_norm: torch.Tensor  # true (unscaled) norm, before clipping
     skipped: bool
+    culprit: str | None = None  # on a skipped step: the first parameter whose gradient was inf/NaN
 
 
 def optimizer_step(
@@ -52,6 +53,7 @@ def optimizer_step(
     # 3. one inf/NaN check: the total norm is finite iff every gradient is; one host sync
     grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     found_inf = not bool(torch.isfinite(grad_norm))
+    culprit = params.first_nonfinite() if found_inf else None  # overflow steps only: rare
 
     # 4. clip the unscaled gradients, then step; 5. unless the window overflowed: then
     # neither the weights, the optimizer state nor the LR schedule move
@@ -62,6 +64,10 @@ def optimizer_step(
         scheduler.step()
     params.finish_(stepped=not found_inf)
 
-    # 6. exactly one scale update per optimizer step
-    scaler.update(found_inf)
-    return StepResult(loss=loss_sum / k, grad_norm=grad_norm, skipped=found_inf)
+    # 6. exactly one scale update per optimizer step (raises TrainingAborted on a skip storm)
+    try:
+        scaler.update(found_inf)
+    except TrainingAborted as err:
+        err.culprit = culprit
+        raise
+    return StepResult(loss=loss_sum / k, grad_norm=grad_norm, skipped=found_inf, culprit=culprit)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,9 @@ class JsonlSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         if resume_step is not None and path.exists():
-            # rows logged after the checkpoint (before a kill) are logged again by the resumed run
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            # rows logged after the checkpoint (before a kill) are logged again by the resumed run;
+            # a kill mid-write can leave a torn last line, which is dropped too
+            kept = [line for line in path.read_text().splitlines() if _row_step(line) <= resume_step]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
@@ -34,6 +38,27 @@ class JsonlSink:
         self._file.close()
 
 
+SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
+
+
+def redact(tree: Any) -> Any:
+    """The config as saved to W&B and checkpoints: values under secret-looking keys, and any value
+    equal to $WANDB_API_KEY (e.g. interpolated by ${oc.env:...}), become '***'."""
+    key = os.environ.get("WANDB_API_KEY")
+    if isinstance(tree, dict):
+        return {k: "***" if SECRET_KEY.search(str(k)) else redact(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    return "***" if key and isinstance(tree, str) and key in tree else tree
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 class WandbSink:
     """A W&B run under `<run dir>/wandb/`, carrying the resolved config, finished exactly once."""
 
@@ -45,6 +70,7 @@ class WandbSink:
         self.run = wandb.init(
             id=run_id,
             resume="allow" if run_id else None,
+            reinit="finish_previous",  # one run per multirun job, even after a job that failed
             project=cfg.logger.project,
             entity=cfg.logger.entity,
             mode=cfg.logger.mode,
@@ -53,7 +79,7 @@ class WandbSink:
             group=group,
             job_type=cfg.logger.job_type,
             tags=[*tags, *cfg.logger.tags],
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=redact(OmegaConf.to_container(cfg, resolve=True)),
             settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
         )
         # `step` is the x-axis of every chart. Logging it as a metric (rather than log(step=))
@@ -64,26 +90,52 @@ class WandbSink:
     def log(self, row: dict[str, Any]) -> None:
         self.run.log(row)
 
+    def abandon(self) -> None:
+        """Close a run that failed, so that the next wandb.init in this process starts afresh."""
+        try:
+            self.run.finish(exit_code=1)
+        except Exception:  # it already failed once; this is best effort
+            pass
+
     def finish(self, summary: dict[str, Any]) -> None:
+        if summary.get("preempted"):
+            self.run.mark_preempting()
         self.run.summary.update(summary)
         self.run.finish(exit_code=summary.get("exit_code", 0))
 
 
 class Tracker:
+    """Fans rows out to the sinks. A sink that fails (W&B down, disk full under wandb/) is dropped
+    with a warning; metrics.jsonl failing is a real error, since then nothing would be kept."""
+
     def __init__(self, sinks: list):
         self.sinks = sinks
+
+    def _guarded(self, method: str, arg: dict) -> None:
+        for sink in list(self.sinks):
+            if isinstance(sink, JsonlSink):
+                getattr(sink, method)(arg)
+                continue
+            try:
+                getattr(sink, method)(arg)
+            except Exception as err:  # any logger failure must not stop training
+                warn(f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); continuing without it")
+                self.sinks.remove(sink)
+                sink.abandon()
 
     @property
     def wandb_id(self) -> str | None:
         return next((s.run.id for s in self.sinks if isinstance(s, WandbSink)), None)
 
     def log(self, row: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.log(row)
+        self._guarded("log", row)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.finish(summary)
+        self._guarded("finish", summary)
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def run_identity(cfg: DictConfig, run_dir: Path) -> tuple[str, str | None, list[str]]:
@@ -113,5 +165,8 @@ def build_tracker(
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
     if cfg.logger.kind == "wandb":
         name, group, tags = run_identity(cfg, run_dir)
-        sinks.append(WandbSink(cfg, run_dir, name, group, tags, wandb_id))
+        try:
+            sinks.append(WandbSink(cfg, run_dir, name, group, tags, wandb_id))
+        except Exception as err:  # no account, no network, broken install: train anyway
+            warn(f"W&B could not start ({type(err).__name__}: {err}); metrics go to metrics.jsonl only")
     return Tracker(sinks)

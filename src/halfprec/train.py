@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,11 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from halfprec.checkpoint import (
+    Preempted,
+    StopSignals,
     check_resume_config,
     checkpoint_files,
     find_resume_checkpoint,
     load_checkpoint,
     rng_state,
+    save_atomic,
     save_checkpoint,
     set_rng_state,
 )
@@ -32,9 +36,9 @@ from halfprec.init import apply_init
 from halfprec.models import create_model
 from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute_dtypes
 from halfprec.progress import Progress
-from halfprec.scaling import LossScaler, build_scaler
+from halfprec.scaling import LossScaler, TrainingAborted, build_scaler
 from halfprec.step import optimizer_step
-from halfprec.tracking import build_tracker
+from halfprec.tracking import build_tracker, redact
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -163,7 +167,7 @@ def checkpoint_state(cfg: DictConfig, c: Components, batches: Batches, loop: Loo
         "rng": rng_state(),
         "data": batches.state_dict(),
         "loop": asdict(loop),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": redact(OmegaConf.to_container(cfg, resolve=True)),
         "wandb_id": tracker.wandb_id,
     }
 
@@ -186,7 +190,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     if cfg.resume is not None:
         path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints")
         ckpt = load_checkpoint(path)
-        for note in check_resume_config(ckpt["config"], OmegaConf.to_container(cfg, resolve=True), path):
+        for note in check_resume_config(ckpt["config"], redact(OmegaConf.to_container(cfg, resolve=True)), path):
             print(f"resume: {note}", file=sys.stderr)
     c = build(cfg)
     batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device)
@@ -195,6 +199,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     summary: dict = {"exit_code": 1}
     try:
         summary = train_loop(cfg, c, batches, tracker, loop, run_dir / "checkpoints")
+    except Preempted:
+        summary = {"exit_code": 0, "preempted": True}  # resumable: not a failed run
+        raise
     finally:
         tracker.finish(summary)
     return summary
@@ -208,19 +215,44 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
     start = last_time = time.perf_counter()
     first = loop.step + 1
     model.train()
-    with Progress(t.max_steps, enabled=t.progress) as progress:
+    abort_on_nonfinite = t.nonfinite == "abort" and scaler.kind == "none"
+
+    def save(name: str | None = None) -> Path:
+        if torch.is_tensor(loop.clean_loss_sum):
+            loop.clean_loss_sum = loop.clean_loss_sum.item()
+        state = checkpoint_state(cfg, c, batches, loop, tracker)
+        if name:  # a crash checkpoint: never picked by resume=auto
+            save_atomic(state, ckpt_dir / name)
+            return ckpt_dir / name
+        return save_checkpoint(state, ckpt_dir, loop.step, t.ckpt_keep)
+
+    def crash(err: Exception, culprit: str | None) -> TrainingAborted:
+        path = save(f"crash-step-{loop.step:08d}.pt")
+        where = f"first non-finite gradient: {culprit}" if culprit else "no non-finite gradient found"
+        return TrainingAborted(
+            f"step {loop.step}: {err}\n  {where}\n  scale history (step:scale, ! = overflow): "
+            f"{scaler.history_tail()}\n  the weights are finite (the step was skipped); crash checkpoint: {path}"
+        )
+
+    with Progress(t.max_steps, enabled=t.progress) as progress, StopSignals() as stop:
         for step in range(first, t.max_steps + 1):
             loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]
             lr = c.optimizer.param_groups[0]["lr"]  # the lr this step uses
             injected = inject_nonfinite_grad(model, cfg.accum) if step in inject else None
             watch = observe_compute_dtypes(model) if step == first else contextlib.nullcontext()
-            with watch as seen:
-                result = optimizer_step(
-                    model, micro, c.optimizer, c.scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
-                )
-            if injected is not None:
-                injected.remove()
+            try:
+                with watch as seen:
+                    result = optimizer_step(
+                        model, micro, c.optimizer, c.scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
+                    )
+            except TrainingAborted as err:
+                raise crash(err, err.culprit) from None
+            finally:
+                if injected is not None:
+                    injected.remove()
+            if result.skipped and abort_on_nonfinite:
+                raise crash(Exception("non-finite gradients and trainer.nonfinite=abort"), result.culprit)
             row = {}
             if step == first:  # never silently train in another precision than asked (also on resume)
                 dtypes = policy.check(model, seen, params.master)
@@ -258,11 +290,14 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
                 tracker.log(row)
                 loop.final.update(row)
                 progress.update(step, loop.final, scaler)
-            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps:
-                if torch.is_tensor(loop.clean_loss_sum):
-                    loop.clean_loss_sum = loop.clean_loss_sum.item()
-                state = checkpoint_state(cfg, c, batches, loop, tracker)
-                save_checkpoint(state, ckpt_dir, step, t.ckpt_keep)
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps or stop.received:
+                path = save()
+            if stop.received and step < t.max_steps:
+                name = signal.Signals(stop.received).name
+                raise Preempted(
+                    f"{name} at step {step}: saved {path}; continue with the same overrides plus "
+                    f"hydra.run.dir={ckpt_dir.parent} resume=auto"
+                )
     elapsed = time.perf_counter() - start
     final = loop.final
     summary = {

@@ -1,0 +1,133 @@
+"""Preemption, non-finite policy and crash reports, corrupt checkpoints, W&B failures, secrets."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import read_jsonl
+from test_resume import FP32, train_cmd, without_perf
+
+from halfprec.checkpoint import checkpoint_files, load_checkpoint
+from halfprec.config import ConfigError
+from halfprec.scaling import TrainingAborted
+from halfprec.train import run
+
+import wandb_records
+from helpers import compose_cfg
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, signum):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    subprocess.run(train_cmd(straight, *FP32), check=True, capture_output=True)
+    proc = subprocess.Popen(train_cmd(stopped, *FP32), stderr=subprocess.PIPE, text=True)
+    metrics, deadline = stopped / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before the signal: make it longer"
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 4, err
+    assert f"{signal.Signals(signum).name} at step" in err and "resume=auto" in err and "Traceback" not in err
+    stopped_at = load_checkpoint(checkpoint_files(stopped / "checkpoints")[-1])["step"]
+    assert stopped_at == read_jsonl(metrics)[-1]["step"] < 400  # saved right at the step it stopped
+    resumed = subprocess.run(train_cmd(stopped, *FP32, "resume=auto"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert without_perf(read_jsonl(metrics)) == without_perf(read_jsonl(straight / "metrics.jsonl"))
+
+
+def test_nonfinite_abort_without_a_scaler_saves_a_crash_checkpoint_and_names_the_culprit(tmp_path):
+    cfg = compose_cfg("trainer.max_steps=20", "trainer.nonfinite=abort", "trainer.inject_nonfinite_at=[7]")
+    with pytest.raises(TrainingAborted) as info:
+        run(cfg, tmp_path)
+    message = str(info.value)
+    assert "step 7" in message and "first non-finite gradient: 1.weight" in message
+    assert "7:1!" in message  # the scale history tail marks the overflowed step
+    crash = load_checkpoint(tmp_path / "checkpoints" / "crash-step-00000007.pt")
+    assert all(t.isfinite().all() for t in crash["model"].values())  # never NaN weights
+    assert checkpoint_files(tmp_path / "checkpoints") == []  # resume=auto does not pick a crash file
+
+
+def test_nonfinite_skip_is_the_default(tmp_path):
+    summary = run(compose_cfg("trainer.max_steps=10", "trainer.inject_nonfinite_at=[3,4]"), tmp_path)
+    assert summary["scaler/skipped_steps"] == 2 and summary["exit_code"] == 0
+
+
+def test_skip_storm_abort_reports_the_scale_history(tmp_path):
+    cfg = compose_cfg("precision=fp16", "model.hidden=[16]", "trainer.max_steps=20",
+                      "scaler.max_consecutive_skips=3", "trainer.inject_nonfinite_at=[5,6,7]")  # fmt: skip
+    with pytest.raises(TrainingAborted, match=r"3 optimizer steps in a row[\s\S]*5:32768!, 6:16384!, 7:8192!"):
+        run(cfg, tmp_path)
+    assert (tmp_path / "checkpoints" / "crash-step-00000007.pt").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint", None], ids=["empty", "garbage", "foreign"])
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, content):
+    import torch
+
+    ckpt = tmp_path / "checkpoints" / "step-00000010.pt"
+    ckpt.parent.mkdir()
+    if content is None:
+        torch.save({"weights": torch.zeros(2)}, ckpt)
+    else:
+        ckpt.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"resume=.*(unreadable checkpoint|not a halfprec checkpoint)"):
+        run(compose_cfg("resume=auto"), tmp_path)
+
+
+def test_wandb_init_failure_keeps_training(tmp_path, monkeypatch, capsys):
+    import wandb
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no route to host")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    summary = run(compose_cfg("logger=wandb", "trainer.max_steps=5"), tmp_path)
+    assert summary["exit_code"] == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r] == [1, 5]
+    assert "W&B could not start (RuntimeError: no route to host)" in capsys.readouterr().err
+
+
+def test_unwritable_wandb_dir_keeps_training(tmp_path, capsys):
+    (tmp_path / "wandb").write_text("a file where W&B wants its directory")
+    summary = run(compose_cfg("logger=wandb", "trainer.max_steps=5"), tmp_path)
+    assert summary["exit_code"] == 0 and (tmp_path / "metrics.jsonl").exists()
+    assert "warning:" in capsys.readouterr().err
+
+
+def test_wandb_failing_midway_is_dropped_with_a_warning(tmp_path, monkeypatch, capsys):
+    from halfprec import tracking
+
+    calls = []
+
+    def flaky(self, row):
+        calls.append(row["step"])
+        if len(calls) == 2:
+            raise OSError("disk full")
+
+    monkeypatch.setattr(tracking.WandbSink, "log", flaky)
+    summary = run(compose_cfg("logger=wandb", "trainer.max_steps=30"), tmp_path)
+    assert summary["exit_code"] == 0 and calls == [1, 10]  # dropped after the failure, training went on
+    assert len([r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]) == 4
+    assert "WandbSink.log failed (OSError: disk full)" in capsys.readouterr().err
+
+
+def test_api_key_never_reaches_saved_files(tmp_path, monkeypatch, capsys):
+    secret = "local-0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    run(compose_cfg("logger=wandb", "trainer.max_steps=5", "trainer.ckpt_every=2"), tmp_path)
+    assert wandb_records.run_files(tmp_path), capsys.readouterr().err
+    for path in tmp_path.rglob("*"):  # metrics, checkpoints, the W&B run files
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+def test_saved_configs_are_redacted(monkeypatch):
+    from halfprec.tracking import redact
+
+    monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-key")
+    config = {"logger": {"note": "key=s3cr3t-key", "api_key": "other"}, "tags": ["s3cr3t-key", "ok"], "lr": 0.1}
+    assert redact(config) == {"logger": {"note": "***", "api_key": "***"}, "tags": ["***", "ok"], "lr": 0.1}
