@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,3 +369,16 @@ def test_appended_unknown_key_is_rejected(override):
         cfg = compose_cfg([override])
         validate(cfg)
         validate_optimizer(cfg)
+
+
+def test_multirun_records_every_job_in_sweep_jsonl_and_a_bad_job_does_not_stop_the_others(cli):
+    result = cli.run("init=fixup,default", "model.hidden=[16]", multirun=True)
+    assert result.returncode != 0  # Hydra reports the failed job at the end of the sweep
+    lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
+    by_status = {line["status"]: line for line in lines}
+    assert len(lines) == 2 and set(by_status) == {"completed", "failed"}
+    failed, done = by_status["failed"], by_status["completed"]
+    assert "init=fixup" in failed["overrides"] and "no residual branches" in failed["error"]
+    assert "init=default" in done["overrides"] and done["scaler/skipped_steps"] == 0
+    assert done["val/acc"] == read_jsonl(Path(done["dir"]) / "metrics.jsonl")[-1]["val/acc"]
+    assert done["wall_s"] > 0

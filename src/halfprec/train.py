@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import signal
@@ -199,6 +200,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     summary: dict = {"exit_code": 1}
     try:
         summary = train_loop(cfg, c, batches, tracker, loop, run_dir / "checkpoints")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     except Preempted:
         summary = {"exit_code": 0, "preempted": True}  # resumable: not a failed run
         raise
