@@ -382,3 +382,19 @@ def test_multirun_records_every_job_in_sweep_jsonl_and_a_bad_job_does_not_stop_t
     assert "init=default" in done["overrides"] and done["scaler/skipped_steps"] == 0
     assert done["val/acc"] == read_jsonl(Path(done["dir"]) / "metrics.jsonl")[-1]["val/acc"]
     assert done["wall_s"] > 0
+
+
+def test_slurm_launcher_config_composes_with_requeue_on(tmp_path):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.max_num_timeout >= 1 and launcher.signal_delay_s > 0
+
+
+def test_submitit_local_launcher_runs_a_sweep(cli):
+    result = cli.run("hydra/launcher=submitit_local", "seed=0,1", "model.hidden=[16]", "logger=none", multirun=True)
+    assert_clean_exit(result)
+    lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
+    assert sorted(line["status"] for line in lines) == ["completed", "completed"]
+    assert all((Path(line["dir"]) / "metrics.jsonl").exists() for line in lines)

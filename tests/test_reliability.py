@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -33,7 +34,8 @@ def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, s
     assert proc.returncode == 4, err
     assert f"{signal.Signals(signum).name} at step" in err and "resume=auto" in err and "Traceback" not in err
     stopped_at = load_checkpoint(checkpoint_files(stopped / "checkpoints")[-1])["step"]
-    assert stopped_at == read_jsonl(metrics)[-1]["step"] < 400  # saved right at the step it stopped
+    last_row = read_jsonl(metrics)[-1]["step"]
+    assert last_row <= stopped_at < min(last_row + 5, 400)  # saved at the step it stopped (rows every 5)
     resumed = subprocess.run(train_cmd(stopped, *FP32, "resume=auto"), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert without_perf(read_jsonl(metrics)) == without_perf(read_jsonl(straight / "metrics.jsonl"))
@@ -131,3 +133,39 @@ def test_saved_configs_are_redacted(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-key")
     config = {"logger": {"note": "key=s3cr3t-key", "api_key": "other"}, "tags": ["s3cr3t-key", "ok"], "lr": 0.1}
     assert redact(config) == {"logger": {"note": "***", "api_key": "***"}, "tags": ["***", "ok"], "lr": 0.1}
+
+
+REQUEUE_SCRIPT = """
+import signal, sys
+from pathlib import Path
+from hydra import compose, initialize_config_dir
+
+def requeue(signum, frame):  # stands in for submitit's handler: requeue, then exit
+    Path(sys.argv[2], "requeued").write_text(str(signum))
+    sys.exit(0)
+
+signal.signal(signal.SIGUSR1, requeue)
+from halfprec.train import run
+with initialize_config_dir(sys.argv[1], version_base="1.3"):
+    cfg = compose("train", overrides=["logger=none", "trainer.progress=false", "model.hidden=[512,512]",
+                                      "trainer.max_steps=2000", "trainer.log_every=5", "trainer.ckpt_every=500"])
+run(cfg, sys.argv[2])
+"""
+
+
+def test_stop_signal_is_handed_on_to_the_launcher_after_the_checkpoint(tmp_path):
+    """Under submitit, SIGUSR1's own handler requeues the job: it must still run, after our save."""
+    from helpers import CONF
+
+    proc = subprocess.Popen([sys.executable, "-c", REQUEUE_SCRIPT, str(CONF), str(tmp_path)], stderr=subprocess.PIPE)
+    metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 10):
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before the signal: make it longer"
+    os.kill(proc.pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert (tmp_path / "requeued").read_text() == str(int(signal.SIGUSR1))
+    (ckpt,) = checkpoint_files(tmp_path / "checkpoints")
+    last_row = read_jsonl(metrics)[-1]["step"]
+    assert last_row <= load_checkpoint(ckpt)["step"] < last_row + 5  # saved at the stop, not at step 500

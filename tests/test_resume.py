@@ -107,6 +107,8 @@ def test_resume_refuses_a_different_model_and_allows_more_steps(tmp_path, capsys
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")][-1] == 30
 
 
-def test_resume_auto_without_a_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="no checkpoint in"):
-        run(compose_cfg("resume=auto"), tmp_path)
+def test_resume_auto_without_a_checkpoint_starts_fresh_and_a_missing_path_is_an_error(tmp_path, capsys):
+    summary = run(compose_cfg("resume=auto", "trainer.max_steps=5"), tmp_path / "new")
+    assert summary["steps"] == 5 and "no checkpoint in" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no such file"):
+        run(compose_cfg(f"resume={tmp_path}/nope.pt"), tmp_path / "other")

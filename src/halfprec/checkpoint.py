@@ -45,6 +45,13 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
+    def forward(self) -> None:
+        """After the checkpoint: hand the signal to the handler we replaced, if it was a function.
+        Under submitit that one requeues the job (and exits); otherwise nothing happens."""
+        previous = self._previous.get(self.received)
+        if callable(previous):
+            previous(self.received, None)
+
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
@@ -125,17 +132,15 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path:
-    """`resume=auto`: the newest checkpoint in this run's dir; otherwise a checkpoint file or dir."""
+def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
+    """`resume=auto`: the newest checkpoint in this run's dir, or None (a fresh start) if there is
+    none yet, so the same command serves the first start and every requeue; otherwise a given
+    checkpoint file or dir, which must exist."""
     from halfprec.config import ConfigError
 
     if resume == "auto":
         found = checkpoint_files(ckpt_dir)
-        if not found:
-            raise ConfigError(
-                "resume", resume, f"no checkpoint in {ckpt_dir}; pass hydra.run.dir=<the run dir> or resume=<file>"
-            )
-        return found[-1]
+        return found[-1] if found else None
     path = Path(resume)
     if path.is_dir():
         found = checkpoint_files(path) or checkpoint_files(path / "checkpoints")

@@ -188,8 +188,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics."""
     run_dir = Path(run_dir)
     ckpt = None
-    if cfg.resume is not None:
-        path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints")
+    path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints") if cfg.resume is not None else None
+    if cfg.resume is not None and path is None:
+        print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'} yet; starting at step 0", file=sys.stderr)
+    if path is not None:
         ckpt = load_checkpoint(path)
         for note in check_resume_config(ckpt["config"], redact(OmegaConf.to_container(cfg, resolve=True)), path):
             print(f"resume: {note}", file=sys.stderr)
@@ -295,6 +297,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
             if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps or stop.received:
                 path = save()
             if stop.received and step < t.max_steps:
+                stop.forward()  # under submitit: requeue this job (it resumes with resume=auto)
                 name = signal.Signals(stop.received).name
                 raise Preempted(
                     f"{name} at step {step}: saved {path}; continue with the same overrides plus "
