@@ -169,3 +169,24 @@ def test_stop_signal_is_handed_on_to_the_launcher_after_the_checkpoint(tmp_path)
     (ckpt,) = checkpoint_files(tmp_path / "checkpoints")
     last_row = read_jsonl(metrics)[-1]["step"]
     assert last_row <= load_checkpoint(ckpt)["step"] < last_row + 5  # saved at the stop, not at step 500
+
+
+def test_resume_continues_the_same_wandb_run(tmp_path):
+    run(compose_cfg("logger=wandb", "trainer.max_steps=10", "trainer.ckpt_every=5"), tmp_path)
+    run(compose_cfg("logger=wandb", "trainer.max_steps=20", "resume=auto"), tmp_path)
+    first, second = wandb_records.run_files(tmp_path)
+    assert wandb_records.run_info(first)["id"] == wandb_records.run_info(second)["id"]
+    steps = [h["step"] for h in wandb_records.history(second) if "train/loss" in h]
+    assert steps and min(steps) > 10  # the resumed run logs only what comes after the checkpoint
+
+
+def test_wandb_disabled_mode_trains(tmp_path):
+    summary = run(compose_cfg("logger=wandb", "logger.mode=disabled", "trainer.max_steps=5"), tmp_path)
+    assert summary["exit_code"] == 0 and wandb_records.run_files(tmp_path) == []
+
+
+def test_optimizer_that_is_not_a_torch_optimizer_is_refused():
+    from halfprec.config import validate_optimizer
+
+    with pytest.raises(ConfigError, match="torch.optim.Optimizer subclass"):
+        validate_optimizer(compose_cfg("optim._target_=collections.OrderedDict"))

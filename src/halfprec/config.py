@@ -251,6 +251,15 @@ def validate_optimizer(cfg: DictConfig) -> None:
         cls = get_class(cfg.optim._target_)
     except Exception:
         raise ConfigError("optim._target_", cfg.optim._target_, "no such class; e.g. torch.optim.SGD") from None
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(
+            "optim._target_",
+            cfg.optim._target_,
+            "must be a torch.optim.Optimizer subclass: master weights, skipped steps and checkpoints "
+            "rely on its param_groups and state_dict",
+        )
     allowed = ["_target_", "clip_grad_norm", *(p for p in inspect.signature(cls).parameters if p != "params")]
     _known_keys(cfg, "optim", allowed, cls.__name__)
 
