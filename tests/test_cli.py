@@ -398,3 +398,23 @@ def test_submitit_local_launcher_runs_a_sweep(cli):
     lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
     assert sorted(line["status"] for line in lines) == ["completed", "completed"]
     assert all((Path(line["dir"]) / "metrics.jsonl").exists() for line in lines)
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_each_with_its_own_wandb_run(cli):
+    result = cli.run("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=0,1", "model.hidden=[16]", multirun=True)
+    assert_clean_exit(result)
+    lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
+    assert sorted(line["job"] for line in lines) == [0, 1] and {line["status"] for line in lines} == {"completed"}
+    files = [wandb_records.run_files(Path(line["dir"])) for line in lines]
+    assert all(len(f) == 1 and wandb_records.exit_codes(f[0]) == [0] for f in files)
+    ids = {wandb_records.run_info(f[0])["id"] for f in files}
+    assert len(ids) == 2
+
+
+def test_experiments_define_their_sweeps():
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        acc = compose("train", overrides=["+experiment=accumulation", "accum=4"], return_hydra_config=True)
+        depth = compose("train", overrides=["+experiment=init_depth"], return_hydra_config=True)
+    assert acc.data.batch_size * acc.accum == 256  # fixed effective batch
+    assert set(acc.hydra.sweeper.params) == {"accum", "precision"}
+    assert depth.model.arch == "fixup_resnet" and set(depth.hydra.sweeper.params) == {"init", "model.blocks_per_stage"}

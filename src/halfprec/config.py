@@ -14,6 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+# `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
+OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
+
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "O0", "O1", "O2", "O3")
 SCALERS = ("auto", "none", "static", "dynamic")
 INITS = ("default", "kaiming", "xavier", "fixup")
