@@ -13,12 +13,14 @@ from halfprec.init import InitError
 from halfprec.precision import PrecisionMismatch
 from halfprec.scaling import TrainingAborted
 
-# exit codes: 2 a config value that cannot work, 3 training stopped, 4 stopped by a signal (resumable)
-EXIT_CODES = [
-    ((ConfigError, InitError), 2, "error"),
-    ((TrainingAborted, PrecisionMismatch), 3, "error: training stopped"),
-]
-EXIT_CODES.append(((Preempted,), 4, "stopped"))
+# What each user-facing failure prints and exits with (README, "Errors").
+EXIT_CODES = {
+    ConfigError: (2, "error"),  # a config value that cannot work
+    InitError: (2, "error"),
+    TrainingAborted: (3, "error: training stopped"),  # skip storm, scale floor, nonfinite=abort
+    PrecisionMismatch: (3, "error: training stopped"),
+    Preempted: (4, "stopped"),  # SIGTERM/SIGUSR1 after a checkpoint: resumable
+}
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -28,8 +30,8 @@ def main(cfg: DictConfig) -> float:
         from halfprec.train import run
 
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except tuple(e for errors, _, _ in EXIT_CODES for e in errors) as err:
-        code, prefix = next((c, p) for errors, c, p in EXIT_CODES if isinstance(err, errors))
+    except tuple(EXIT_CODES) as err:
+        code, prefix = next(v for cls, v in EXIT_CODES.items() if isinstance(err, cls))
         print(f"{prefix}: {err}", file=sys.stderr)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             # let Hydra mark this job failed (sweep.jsonl) and run the others; an exit here
