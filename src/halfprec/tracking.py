@@ -52,6 +52,11 @@ def redact(tree: Any) -> Any:
     return "***" if key and isinstance(tree, str) and key in tree else tree
 
 
+def saved_config(cfg: DictConfig) -> dict:
+    """The resolved config as it is written to W&B and into checkpoints: redacted."""
+    return redact(OmegaConf.to_container(cfg, resolve=True))
+
+
 def _row_step(line: str) -> float:
     try:
         return json.loads(line)["step"]
@@ -79,7 +84,7 @@ class WandbSink:
             group=group,
             job_type=cfg.logger.job_type,
             tags=[*tags, *cfg.logger.tags],
-            config=redact(OmegaConf.to_container(cfg, resolve=True)),
+            config=saved_config(cfg),
             settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
         )
         # `step` is the x-axis of every chart. Logging it as a metric (rather than log(step=))
@@ -113,12 +118,11 @@ class Tracker:
 
     def _guarded(self, method: str, arg: dict) -> None:
         for sink in list(self.sinks):
-            if isinstance(sink, JsonlSink):
-                getattr(sink, method)(arg)
-                continue
             try:
                 getattr(sink, method)(arg)
-            except Exception as err:  # any logger failure must not stop training
+            except Exception as err:  # any logger failure but metrics.jsonl's must not stop training
+                if isinstance(sink, JsonlSink):
+                    raise
                 warn(f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); continuing without it")
                 self.sinks.remove(sink)
                 sink.abandon()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from halfprec.checkpoint import (
@@ -39,7 +39,7 @@ from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute
 from halfprec.progress import Progress
 from halfprec.scaling import LossScaler, TrainingAborted, build_scaler
 from halfprec.step import optimizer_step
-from halfprec.tracking import build_tracker, redact
+from halfprec.tracking import build_tracker, saved_config
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -168,7 +168,7 @@ def checkpoint_state(cfg: DictConfig, c: Components, batches: Batches, loop: Loo
         "rng": rng_state(),
         "data": batches.state_dict(),
         "loop": asdict(loop),
-        "config": redact(OmegaConf.to_container(cfg, resolve=True)),
+        "config": saved_config(cfg),
         "wandb_id": tracker.wandb_id,
     }
 
@@ -193,7 +193,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'} yet; starting at step 0", file=sys.stderr)
     if path is not None:
         ckpt = load_checkpoint(path)
-        for note in check_resume_config(ckpt["config"], redact(OmegaConf.to_container(cfg, resolve=True)), path):
+        for note in check_resume_config(ckpt["config"], saved_config(cfg), path):
             print(f"resume: {note}", file=sys.stderr)
     c = build(cfg)
     batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device)
