@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float:
             # would end the whole sweep at the first bad combination
             raise
         sys.exit(code)
-    return summary["val/acc"]  # the sweep metric (Optuna maximizes it)
+    return summary[cfg.objective]  # the sweep metric (hparams_search=optuna maximizes val/acc)
 
 
 if __name__ == "__main__":

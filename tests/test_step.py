@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+from halfprec.step import optimizer_step
+
 from helpers import batch, build_from, flat_params, step
 
 
@@ -111,3 +113,19 @@ def test_grad_norm_is_unscaled_for_dynamic_fp16():
     fp16, f = _grads_after_one_window("precision=fp16")
     assert fp16.scaler.scale == 65536
     torch.testing.assert_close(f.grad_norm, r.grad_norm, rtol=1e-2, atol=0)
+
+
+def test_loss_weight_with_inverse_lr_leaves_fp32_sgd_unchanged():
+    """The loss_scaling experiment's simulated small gradients: loss * 2^-18 and lr * 2^18 is the
+    same fp32 SGD run (powers of two: exact scaling), while fp16 without a scale loses them."""
+    x, y = batch(64)
+    plain, _ = build_from("optim.lr=0.1")
+    weighted, _ = build_from(f"optim.lr={0.1 * 2**18}")
+    for _ in range(3):
+        step(plain, [(x, y)])
+        r = optimizer_step(
+            weighted.model, [(x, y)], weighted.optimizer, weighted.scheduler, weighted.scaler,
+            weighted.policy, weighted.params, loss_weight=2**-18,
+        )  # fmt: skip
+    torch.testing.assert_close(flat_params(weighted.model), flat_params(plain.model), rtol=1e-5, atol=1e-6)
+    assert r.grad_norm < 1e-4  # the norm of the weighted gradients, which is what underflows in fp16

@@ -40,7 +40,10 @@ TOP_KEYS = (
     "sched",
     "logger",
     "trainer",
+    "objective",
+    "fail_fast",
 )
+OBJECTIVES = ("val/acc", "val/loss", "train/loss")
 PRECISION_KEYS = ("name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32")
 SCALER_KEYS = {
     "none": ("kind", "max_consecutive_skips"),
@@ -52,7 +55,7 @@ SCALER_KEYS["auto"] = SCALER_KEYS["dynamic"]
 SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_steps", "min_lr_ratio")}
 LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
 TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "nonfinite",
-                "deterministic", "progress", "inject_nonfinite_at")  # fmt: skip
+                "deterministic", "progress", "inject_nonfinite_at", "loss_weight")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -126,6 +129,8 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "accum", 1, "micro-batches per optimizer step, e.g. accum=4")
     _need(cfg, "seed", lambda v: _is_int(v) and 0 <= v < 2**32, "must be an integer in [0, 2^32)")
     _need(cfg, "resume", lambda v: v is None or isinstance(v, str), "must be null, auto or a checkpoint path")
+    _one_of(cfg, "objective", OBJECTIVES)
+    _need(cfg, "fail_fast", lambda v: isinstance(v, bool), "must be true or false")
 
     # precision
     _known_keys(cfg, "precision", PRECISION_KEYS, "precision")
@@ -237,6 +242,7 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "trainer.ckpt_every", 0, "optimizer steps between checkpoints; 0 = only at the end")
     _int_at_least(cfg, "trainer.ckpt_keep", 1, "checkpoints kept in <run dir>/checkpoints")
     _one_of(cfg, "trainer.device", DEVICES)
+    _need(cfg, "trainer.loss_weight", lambda v: _is_num(v) and v > 0, "must be a number > 0 (1.0 = the plain loss)")
     _one_of(cfg, "trainer.nonfinite", ("skip", "abort"), " (what a non-finite step does when nothing scales the loss)")
     _need(
         cfg,

@@ -31,6 +31,7 @@ def optimizer_step(
     params: OptimizerParams,
     clip_grad_norm: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    loss_weight: float = 1.0,
 ) -> StepResult:
     """Run one optimizer step over `len(micro_batches)` accumulated micro-batches."""
     k = len(micro_batches)
@@ -39,12 +40,13 @@ def optimizer_step(
     model.zero_grad(set_to_none=True)
 
     # 1. forward under autocast, loss in fp32, scaled backward of loss / k
+    # (loss_weight < 1 shrinks every gradient: the loss_scaling experiment's simulated small gradients)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     for x, y in micro_batches:
         with policy.autocast():
             logits = model(policy.cast_input(x))
         loss = loss_fn(logits.float(), y)
-        scaler.scale_loss(loss / k).backward()
+        scaler.scale_loss(loss * loss_weight / k).backward()
         loss_sum += loss.detach()
 
     # 2. unscale once for the whole window (into fp32 master grads in pure modes)

@@ -19,7 +19,8 @@ class SweepRecord(Callback):
     """Records overrides, final metrics, skipped steps, status and wall time of every job.
 
     Written with one O_APPEND write per line, so jobs finishing at once (parallel launchers)
-    do not interleave. A failed job gets a line too, with its error.
+    do not interleave. A failed job gets a line too, with its error; with `fail_fast=true` in the
+    job's config the sweep then stops (exit 1) instead of going on with the other jobs.
     """
 
     def __init__(self) -> None:
@@ -53,3 +54,6 @@ class SweepRecord(Callback):
             os.write(fd, (json.dumps(line) + "\n").encode())
         finally:
             os.close(fd)
+        if "error" in line and config.get("fail_fast"):
+            # SystemExit, not an exception: Hydra logs and swallows callback exceptions
+            raise SystemExit(f"fail_fast=true: job {line['job']} failed ({line['error']}); the sweep stops here")

@@ -248,7 +248,15 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
             try:
                 with watch as seen:
                     result = optimizer_step(
-                        model, micro, c.optimizer, c.scheduler, scaler, policy, params, cfg.optim.clip_grad_norm
+                        model,
+                        micro,
+                        c.optimizer,
+                        c.scheduler,
+                        scaler,
+                        policy,
+                        params,
+                        cfg.optim.clip_grad_norm,
+                        loss_weight=t.loss_weight,
                     )
             except TrainingAborted as err:
                 raise crash(err, err.culprit) from None
