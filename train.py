@@ -1,6 +1,8 @@
 """Entry point: `python train.py [overrides]`, `python train.py -m [sweeps]`. See README.md."""
 
+import os
 import sys
+import tempfile
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -42,4 +44,8 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    if int(os.environ.get("RANK", 0)) > 0:
+        # torchrun: rank 0's Hydra run dir is the run's (shared with the others after the process
+        # group is up); the other ranks get a scratch dir so that no stray run dirs appear
+        sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='halfprec-rank-')}", "hydra.output_subdir=null"]
     main()

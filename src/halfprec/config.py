@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ SCALER_KEYS["auto"] = SCALER_KEYS["dynamic"]
 SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_steps", "min_lr_ratio")}
 LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
 TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "nonfinite",
-                "deterministic", "progress", "inject_nonfinite_at", "loss_weight")  # fmt: skip
+                "deterministic", "progress", "inject_nonfinite_at", "loss_weight", "distributed")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -242,6 +243,8 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "trainer.ckpt_every", 0, "optimizer steps between checkpoints; 0 = only at the end")
     _int_at_least(cfg, "trainer.ckpt_keep", 1, "checkpoints kept in <run dir>/checkpoints")
     _one_of(cfg, "trainer.device", DEVICES)
+    _one_of(cfg, "trainer.distributed", ("none", "ddp"))
+    _check_launch(cfg.trainer.distributed)
     _need(cfg, "trainer.loss_weight", lambda v: _is_num(v) and v > 0, "must be a number > 0 (1.0 = the plain loss)")
     _one_of(cfg, "trainer.nonfinite", ("skip", "abort"), " (what a non-finite step does when nothing scales the loss)")
     _need(
@@ -271,6 +274,22 @@ def validate_optimizer(cfg: DictConfig) -> None:
         )
     allowed = ["_target_", "clip_grad_norm", *(p for p in inspect.signature(cls).parameters if p != "params")]
     _known_keys(cfg, "optim", allowed, cls.__name__)
+
+
+def _check_launch(mode: str) -> None:
+    """trainer.distributed and the launcher must agree; either mismatch would train wrongly in silence."""
+    torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if mode == "ddp" and not torchrun:
+        raise ConfigError(
+            "trainer.distributed", mode, "start it with torchrun: torchrun --nproc_per_node=2 train.py trainer=ddp"
+        )
+    if mode == "none" and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+        raise ConfigError(
+            "trainer.distributed",
+            mode,
+            f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}, every process would train alone: "
+            "add trainer=ddp",
+        )
 
 
 def resolve_device(cfg: DictConfig):

@@ -71,12 +71,17 @@ def build_dataset(cfg) -> Dataset:
 class Batches:
     """Endless shuffled micro-batches over a split, reshuffled every epoch, last partial batch dropped.
 
-    The position (epoch, index) and the seed fully determine the next batch.
+    The position (epoch, index) and the seed fully determine the next batch. Under DDP every rank
+    walks the same order of global batches (batch_size * world_size) and takes its own slice, so
+    N ranks with micro-batch b see what one process with batch N*b sees.
     """
 
-    def __init__(self, split: Split, batch_size: int, seed: int, device: torch.device):
+    def __init__(
+        self, split: Split, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
+    ):
         self.x, self.y = split.x.to(device), split.y.to(device)
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed = batch_size * world_size, seed
+        self.shard = slice(rank * batch_size, (rank + 1) * batch_size)
         self.epoch, self.index = 0, 0
         self._order = self._shuffle()
 
@@ -98,7 +103,7 @@ class Batches:
         if self.index + self.batch_size > len(self.y):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._shuffle()
-        idx = self._order[self.index : self.index + self.batch_size]
+        idx = self._order[self.index : self.index + self.batch_size][self.shard]
         self.index += self.batch_size
         return self.x[idx], self.y[idx]
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from halfprec.distributed import any_rank, grad_sync
 from halfprec.precision import OptimizerParams, PrecisionPolicy
 from halfprec.scaling import LossScaler, TrainingAborted
 
@@ -42,19 +43,21 @@ def optimizer_step(
     # 1. forward under autocast, loss in fp32, scaled backward of loss / k
     # (loss_weight < 1 shrinks every gradient: the loss_scaling experiment's simulated small gradients)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    for x, y in micro_batches:
-        with policy.autocast():
-            logits = model(policy.cast_input(x))
-        loss = loss_fn(logits.float(), y)
-        scaler.scale_loss(loss * loss_weight / k).backward()
+    for i, (x, y) in enumerate(micro_batches):
+        with grad_sync(model, sync=i == k - 1):  # DDP: all-reduce the grads in the last backward only
+            with policy.autocast():
+                logits = model(policy.cast_input(x))
+            loss = loss_fn(logits.float(), y)
+            scaler.scale_loss(loss * loss_weight / k).backward()
         loss_sum += loss.detach()
 
     # 2. unscale once for the whole window (into fp32 master grads in pure modes)
     grads = params.unscale_(1.0 / scaler.scale)
 
     # 3. one inf/NaN check: the total norm is finite iff every gradient is; one host sync
+    # (under DDP, reduced over ranks so that all of them skip together)
     grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    found_inf = not bool(torch.isfinite(grad_norm))
+    found_inf = any_rank(not bool(torch.isfinite(grad_norm)))
     culprit = params.first_nonfinite() if found_inf else None  # overflow steps only: rare
 
     # 4. clip the unscaled gradients, then step; 5. unless the window overflowed: then

@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from halfprec import distributed
 from halfprec.checkpoint import (
     Preempted,
     StopSignals,
@@ -33,13 +34,14 @@ from halfprec.checkpoint import (
 )
 from halfprec.config import ConfigError, resolve_device, validate, validate_optimizer
 from halfprec.data import Batches, Dataset, build_dataset, eval_batches
+from halfprec.distributed import World
 from halfprec.init import apply_init
 from halfprec.models import create_model
 from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute_dtypes
 from halfprec.progress import Progress
 from halfprec.scaling import LossScaler, TrainingAborted, build_scaler
 from halfprec.step import optimizer_step
-from halfprec.tracking import build_tracker, saved_config
+from halfprec.tracking import Tracker, build_tracker, saved_config
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -110,13 +112,18 @@ class Components:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     device: torch.device
+    world: World = field(default_factory=World)
+    net: nn.Module | None = None  # what the step runs through: the DDP wrapper, or the model itself
 
 
-def build(cfg: DictConfig) -> Components:
+def build(cfg: DictConfig, world: World | None = None) -> Components:
     """Validate `cfg`, seed, and build model, precision policy, optimizer, schedule and scaler."""
     validate(cfg)
     validate_optimizer(cfg)
+    world = world or World()
     device = resolve_device(cfg)
+    if device.type == "cuda" and world.enabled:
+        device = torch.device("cuda", world.local_rank)
     seed_everything(cfg.seed, cfg.trainer.deterministic)
     data = build_dataset(cfg.data)
     model = create_model(cfg.model, data.input_shape, data.num_classes)
@@ -129,7 +136,8 @@ def build(cfg: DictConfig) -> Components:
     optimizer = build_optimizer(cfg, params, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = build_scaler(cfg.scaler, policy.uses_fp16)
-    return Components(model, data, policy, params, optimizer, scheduler, scaler, device)
+    net = distributed.wrap(model, world, device)  # same seed on every rank; DDP also broadcasts rank 0's weights
+    return Components(model, data, policy, params, optimizer, scheduler, scaler, device, world, net)
 
 
 def inject_nonfinite_grad(model: nn.Module, accum: int):
@@ -186,7 +194,14 @@ def restore(ckpt: dict, c: Components, batches: Batches) -> LoopState:
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics."""
-    run_dir = Path(run_dir)
+    world = distributed.init(cfg.trainer.distributed, resolve_device(cfg).type)
+    try:
+        return _run(cfg, distributed.shared_run_dir(world, Path(run_dir)), world)
+    finally:
+        distributed.finish()
+
+
+def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     ckpt = None
     path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints") if cfg.resume is not None else None
     if cfg.resume is not None and path is None:
@@ -195,14 +210,19 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         ckpt = load_checkpoint(path)
         for note in check_resume_config(ckpt["config"], saved_config(cfg), path):
             print(f"resume: {note}", file=sys.stderr)
-    c = build(cfg)
-    batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device)
+    c = build(cfg, world)
+    batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
-    tracker = build_tracker(cfg, run_dir, resume_step=loop.step if ckpt else None, wandb_id=ckpt and ckpt["wandb_id"])
+    if world.is_main:
+        resume_step = loop.step if ckpt else None
+        tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt and ckpt["wandb_id"])
+    else:
+        tracker = Tracker([])  # rank 0 alone writes metrics and owns the W&B run
     summary: dict = {"exit_code": 1}
     try:
         summary = train_loop(cfg, c, batches, tracker, loop, run_dir / "checkpoints")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if world.is_main:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     except Preempted:
         summary = {"exit_code": 0, "preempted": True}  # resumable: not a failed run
         raise
@@ -214,7 +234,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
 def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: LoopState, ckpt_dir: Path) -> dict:
     model, policy, params, scaler = c.model, c.policy, c.params, c.scaler
     t = cfg.trainer
-    per_step = cfg.data.batch_size * cfg.accum
+    per_step = cfg.data.batch_size * cfg.accum * c.world.size  # the effective batch
+    main = c.world.is_main
     inject = set(t.inject_nonfinite_at)
     start = last_time = time.perf_counter()
     first = loop.step + 1
@@ -224,6 +245,8 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
     def save(name: str | None = None) -> Path:
         if torch.is_tensor(loop.clean_loss_sum):
             loop.clean_loss_sum = loop.clean_loss_sum.item()
+        if not main:  # DDP: the ranks hold the same state; rank 0 writes it
+            return ckpt_dir / (name or f"step-{loop.step:08d}.pt")
         state = checkpoint_state(cfg, c, batches, loop, tracker)
         if name:  # a crash checkpoint: never picked by resume=auto
             save_atomic(state, ckpt_dir / name)
@@ -238,17 +261,18 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
             f"{scaler.history_tail()}\n  the weights are finite (the step was skipped); crash checkpoint: {path}"
         )
 
-    with Progress(t.max_steps, enabled=t.progress) as progress, StopSignals() as stop:
+    with Progress(t.max_steps, enabled=t.progress and main) as progress, StopSignals() as stop:
         for step in range(first, t.max_steps + 1):
             loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]
             lr = c.optimizer.param_groups[0]["lr"]  # the lr this step uses
-            injected = inject_nonfinite_grad(model, cfg.accum) if step in inject else None
+            # under DDP on rank 0 only: the other ranks must skip the step all the same
+            injected = inject_nonfinite_grad(model, cfg.accum) if step in inject and main else None
             watch = observe_compute_dtypes(model) if step == first else contextlib.nullcontext()
             try:
                 with watch as seen:
                     result = optimizer_step(
-                        model,
+                        c.net or model,
                         micro,
                         c.optimizer,
                         c.scheduler,
@@ -279,6 +303,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
                 now = time.perf_counter()
                 n = step - loop.last_row_step
                 loss = loop.clean_loss_sum / loop.clean_steps if loop.clean_steps else result.loss
+                loss = distributed.mean_over_ranks(loss)  # DDP: each rank saw its own slice of the batch
                 row.update(
                     {
                         "train/loss": float(loss),
@@ -311,6 +336,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
                     f"{name} at step {step}: saved {path}; continue with the same overrides plus "
                     f"hydra.run.dir={ckpt_dir.parent} resume=auto"
                 )
+    distributed.check_ranks_agree(model, scaler.scale, scaler.skipped_steps)
     elapsed = time.perf_counter() - start
     final = loop.final
     summary = {
@@ -323,10 +349,14 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
         "scaler/final_scale": scaler.scale,
         **{k: v for k, v in final.items() if k.startswith("precision/")},
         "steps": t.max_steps,
+        "effective_batch": per_step,
+        "world_size": c.world.size,
         "checkpoint": str(checkpoint_files(ckpt_dir)[-1]),
         "wall_s": elapsed,
         "exit_code": 0,
     }
+    if not main:
+        return summary
     print(
         f"done: {t.max_steps - first + 1} steps in {elapsed:.1f}s | train/loss {summary['train/loss']:.4f} | "
         f"val/acc {summary['val/acc']:.4f} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "
