@@ -65,23 +65,22 @@ def grad_sync(model: nn.Module, sync: bool):
     return model.no_sync()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is true on any: ranks must agree on skipping a step."""
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor(float(flag), device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+def any_rank(flag: torch.Tensor) -> bool:
+    """True on every rank if `flag` is true on any (ranks must agree on skipping a step). Reduced
+    on the flag's device before the one host read, so DDP adds no second sync to the step."""
+    if dist.is_initialized():
+        flag = flag.float()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
 
 
-def mean_over_ranks(value: torch.Tensor | float) -> torch.Tensor | float:
-    """The mean of a per-rank scalar (the loss of each rank's slice); the value itself without DDP."""
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-rank scalar on the device (the loss of each rank's slice); itself without DDP."""
     if not dist.is_initialized():
         return value
-    t = torch.as_tensor(value, dtype=torch.float32).detach().clone()
-    t = t.cuda() if dist.get_backend() == "nccl" else t.cpu()
-    dist.all_reduce(t)
-    return t / dist.get_world_size()
+    total = value.detach().float().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 def check_ranks_agree(model: nn.Module, scale: float, skipped: int) -> None:

@@ -57,7 +57,7 @@ def optimizer_step(
     # 3. one inf/NaN check: the total norm is finite iff every gradient is; one host sync
     # (under DDP, reduced over ranks so that all of them skip together)
     grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    found_inf = any_rank(not bool(torch.isfinite(grad_norm)))
+    found_inf = any_rank(~torch.isfinite(grad_norm))
     culprit = params.first_nonfinite() if found_inf else None  # overflow steps only: rare
 
     # 4. clip the unscaled gradients, then step; 5. unless the window overflowed: then
