@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -11,6 +14,8 @@ from halfprec.step import optimizer_step
 from halfprec.train import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+TRAIN = CONF.parent / "train.py"
+TINY = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=0", "model.hidden=[32]"]
 
 
 def compose_cfg(*overrides: str):
@@ -50,3 +55,13 @@ DTYPES = {
     "O3": ("float16", "float16"),
     "bf16_pure": ("bfloat16", "bfloat16"),
 }
+
+
+def torchrun(cwd, *overrides: str, nproc: int = 2, tiny: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=N train.py ...` as a user launches it; nproc=0 runs plain `python train.py ...`."""
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
+    if nproc == 0:
+        args = [sys.executable]
+    args += [str(TRAIN), *(TINY if tiny else []), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import TRAIN, read_jsonl
+from conftest import read_jsonl
 
 import wandb_records
+from helpers import torchrun
 
 pytestmark = pytest.mark.distributed
-
-TINY = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=0", "model.hidden=[32]"]
-
-
-def torchrun(cwd, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-    if nproc == 1:
-        args = [sys.executable]
-    args += [str(TRAIN), *TINY, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def final_weights(run_dir):
@@ -36,7 +23,7 @@ def test_two_process_ddp_equals_one_process_with_twice_the_batch(tmp_path):
     ddp = torchrun(tmp_path, "trainer=ddp", "data.batch_size=8", "accum=2", f"hydra.run.dir={tmp_path / 'ddp'}")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     one = torchrun(
-        tmp_path, "data.batch_size=16", "accum=2", "logger=none", f"hydra.run.dir={tmp_path / 'one'}", nproc=1
+        tmp_path, "data.batch_size=16", "accum=2", "logger=none", f"hydra.run.dir={tmp_path / 'one'}", nproc=0
     )
     assert one.returncode == 0, one.stderr[-3000:]
 
@@ -78,3 +65,66 @@ def test_ddp_without_torchrun_is_a_config_error(cli):
     result = cli.run("trainer=ddp", "logger=none")
     assert result.returncode == 2
     assert "trainer.distributed=ddp: start it with torchrun: torchrun --nproc_per_node=2" in result.output
+
+
+def test_two_process_fsdp_equals_one_process_with_twice_the_batch(tmp_path):
+    # fp32 FSDP: sharded weights and optimizer state, reduce-scattered grads, accumulation with the
+    # gradient sync off for the first micro-batch; the full-state checkpoint loads as a plain model's
+    # (AdamW with clipping: the clip uses the global norm of the sharded gradients)
+    common = ["accum=2", "logger=none", "optim=adamw", "optim.clip_grad_norm=0.05"]
+    fsdp = torchrun(tmp_path, "trainer=fsdp", "data.batch_size=8", *common, f"hydra.run.dir={tmp_path / 'fsdp'}")
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    one = torchrun(tmp_path, "data.batch_size=16", *common, f"hydra.run.dir={tmp_path / 'one'}", nproc=0)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = final_weights(tmp_path / "fsdp"), final_weights(tmp_path / "one")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6)
+    rows_fsdp, rows_one = (
+        read_jsonl(tmp_path / "fsdp" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "one" / "metrics.jsonl"),
+    )
+    assert [r["train/loss"] for r in rows_fsdp] == pytest.approx([r["train/loss"] for r in rows_one], abs=1e-6)
+
+
+def test_fsdp_bf16_policy_trains_skips_together_and_resumes_at_another_world_size(tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["trainer=fsdp", "precision=bf16", "logger=none", "data.batch_size=8", "trainer.inject_nonfinite_at=[2]"]
+    common += ["trainer.log_every=4", f"hydra.run.dir={run_dir}"]
+    first = torchrun(tmp_path, *common, "trainer.max_steps=12")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    # FSDP's MixedPrecisionPolicy: Linear layers compute in bf16, the stored weight shards stay fp32
+    assert rows[0]["precision/compute_dtype"] == "bfloat16" and rows[0]["precision/param_dtype"] == "float32"
+    assert [r["scaler/skipped"] for r in rows] == [0, 1, 0, 0]  # inf on rank 0 only; both ranks skipped
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.1
+    ckpt = torch.load(run_dir / "checkpoints" / "step-00000012.pt", weights_only=False)
+    assert ckpt["world_size"] == 2 and all(not hasattr(t, "placements") for t in ckpt["model"].values())
+
+    resumed = torchrun(tmp_path, *common, "resume=auto", "trainer.max_steps=16", nproc=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resume: world size 2 -> 1: the effective batch becomes 8" in resumed.stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 4, 8, 12, 16] and rows[-1]["scaler/skipped_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer=fsdp", "precision=bf16_pure"], "precision=bf16_pure: trainer=fsdp keeps fp32 weight shards"),
+        (
+            ["trainer=ddp", "precision.reduce_dtype=bfloat16"],
+            "precision.reduce_dtype=bfloat16: applies to trainer=fsdp only",
+        ),
+    ],
+)
+def test_fsdp_config_errors(monkeypatch, overrides, message):
+    from halfprec.config import ConfigError, validate
+
+    from helpers import compose_cfg
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError) as info:
+        validate(compose_cfg(*overrides))
+    assert message in str(info.value)

@@ -1,11 +1,13 @@
 """The precision modes on a CUDA GPU: what they compute in, and that they train. Skipped without one."""
 
+import json
+
 import pytest
 import torch
 
 from halfprec.train import run
 
-from helpers import DTYPES, compose_cfg
+from helpers import DTYPES, compose_cfg, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -24,3 +26,19 @@ def test_tf32_flag_is_set_only_for_tf32(tmp_path):
     assert torch.backends.cuda.matmul.allow_tf32
     run(compose_cfg("precision=fp32", "trainer.device=cuda", "trainer.max_steps=2"), tmp_path / "b")
     assert not torch.backends.cuda.matmul.allow_tf32
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("trainer", "precision"), [("ddp", "fp16"), ("fsdp", "bf16"), ("fsdp", "fp16")])
+def test_torchrun_on_cuda_with_nccl(trainer, precision, tmp_path):
+    # one process per GPU (one is enough to exercise nccl, the device placement and FSDP's
+    # MixedPrecisionPolicy on CUDA); both scale and skip machinery run under fp16
+    nproc = min(torch.cuda.device_count(), 2)
+    overrides = [f"trainer={trainer}", f"precision={precision}", "trainer.device=cuda", "logger=none"]
+    overrides += ["trainer.max_steps=200", "trainer.log_every=50", "trainer.inject_nonfinite_at=[10]"]
+    result = torchrun(tmp_path, *overrides, f"hydra.run.dir={tmp_path / 'run'}", nproc=nproc, tiny=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["precision/compute_dtype"], summary["precision/param_dtype"]) == (DTYPES[precision][0], "float32")
+    assert summary["world_size"] == nproc and summary["scaler/skipped_steps"] >= 1
+    assert summary["val/acc"] > 0.9

@@ -45,7 +45,9 @@ TOP_KEYS = (
     "fail_fast",
 )
 OBJECTIVES = ("val/acc", "val/loss", "train/loss")
-PRECISION_KEYS = ("name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32")
+PRECISION_KEYS = (
+    "name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32", "reduce_dtype"
+)  # fmt: skip
 SCALER_KEYS = {
     "none": ("kind", "max_consecutive_skips"),
     "static": ("kind", "scale", "max_consecutive_skips"),
@@ -156,6 +158,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             "precision.update", update, f"stochastic rounding is implemented for bfloat16 weights, not {param_dtype}"
         )
+    reduce_dtype = _one_of(cfg, "precision.reduce_dtype", DTYPE_NAMES)
 
     # scaler
     kind = _one_of(cfg, "scaler.kind", SCALERS)
@@ -243,8 +246,19 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "trainer.ckpt_every", 0, "optimizer steps between checkpoints; 0 = only at the end")
     _int_at_least(cfg, "trainer.ckpt_keep", 1, "checkpoints kept in <run dir>/checkpoints")
     _one_of(cfg, "trainer.device", DEVICES)
-    _one_of(cfg, "trainer.distributed", ("none", "ddp"))
-    _check_launch(cfg.trainer.distributed)
+    mode = _one_of(cfg, "trainer.distributed", ("none", "ddp", "fsdp"))
+    _check_launch(mode)
+    if mode == "fsdp" and param_dtype != "float32":
+        raise ConfigError(
+            "precision",
+            cfg.precision.name,
+            "trainer=fsdp keeps fp32 weight shards (the master weights) and computes in precision.autocast's "
+            "dtype through its MixedPrecisionPolicy: use precision=bf16 or fp16 instead of a pure mode",
+        )
+    if mode != "fsdp" and reduce_dtype != "float32":
+        raise ConfigError(
+            "precision.reduce_dtype", reduce_dtype, "applies to trainer=fsdp only (DDP and one process reduce in fp32)"
+        )
     _need(cfg, "trainer.loss_weight", lambda v: _is_num(v) and v > 0, "must be a number > 0 (1.0 = the plain loss)")
     _one_of(cfg, "trainer.nonfinite", ("skip", "abort"), " (what a non-finite step does when nothing scales the loss)")
     _need(
@@ -279,16 +293,16 @@ def validate_optimizer(cfg: DictConfig) -> None:
 def _check_launch(mode: str) -> None:
     """trainer.distributed and the launcher must agree; either mismatch would train wrongly in silence."""
     torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    if mode == "ddp" and not torchrun:
+    if mode != "none" and not torchrun:
         raise ConfigError(
-            "trainer.distributed", mode, "start it with torchrun: torchrun --nproc_per_node=2 train.py trainer=ddp"
+            "trainer.distributed", mode, f"start it with torchrun: torchrun --nproc_per_node=2 train.py trainer={mode}"
         )
     if mode == "none" and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
         raise ConfigError(
             "trainer.distributed",
             mode,
             f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}, every process would train alone: "
-            "add trainer=ddp",
+            "add trainer=ddp (or trainer=fsdp)",
         )
 
 

@@ -1,4 +1,5 @@
-"""torchrun DDP: process group, rank-0 ownership of the run dir, and the checks that keep ranks in step."""
+"""torchrun DDP and FSDP2: process group, rank-0 ownership of the run dir, sharding, full-state
+checkpoints, and the checks that keep ranks in step."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from halfprec.precision import PrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -50,19 +53,86 @@ def shared_run_dir(world: World, run_dir: Path) -> Path:
     return Path(box[0])
 
 
-def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
-    """The module the step runs forward/backward through: DDP under torchrun, the model itself otherwise."""
-    if not world.enabled:
+def wrap(model: nn.Module, world: World, device: torch.device, mode: str, policy: PrecisionPolicy) -> nn.Module:
+    """The module the step runs forward/backward through: the DDP wrapper, the model sharded in
+    place by FSDP2 (before the optimizer sees its parameters: they become DTensors), or the model."""
+    if not world.enabled or mode == "none":
         return model
+    if mode == "fsdp":
+        return shard(model, policy)
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
+def shard(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
+    """FSDP2: each top-level child that holds parameters is one unit (all-gathered for its own
+    forward/backward, then freed), the root takes the rest. Weights stay fp32 shards (the master
+    weights); the units compute in the precision group's autocast dtype and reduce gradients in
+    precision.reduce_dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=policy.reduce_dtype)
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mp_policy=mp)
+    return fully_shard(model, mp_policy=mp)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank: a DTensor (FSDP's sharded grads and their norm) gathered; others as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def grad_sync(model: nn.Module, sync: bool):
-    """DDP all-reduces gradients in the backward; `no_sync` skips it for all but the window's last micro-batch."""
-    if sync or not hasattr(model, "no_sync"):
+    """DDP all-reduces (FSDP reduce-scatters) gradients in the backward; for all but the window's
+    last micro-batch that is skipped, and the gradients accumulate locally."""
+    if sync:
         return contextlib.nullcontext()
-    return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state for a checkpoint. Under FSDP a collective (every rank calls it):
+    the full, unsharded state gathered to rank 0's CPU (other ranks get {}), keyed by parameter
+    name, so it loads at any world size and its "model" entry into the plain model."""
+    if not is_sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Shard a full checkpoint (loaded on every rank) back into the FSDP model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
 
 
 def any_rank(flag: torch.Tensor) -> bool:
@@ -84,17 +154,17 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
 
 
 def check_ranks_agree(model: nn.Module, scale: float, skipped: int) -> None:
-    """At the end of a DDP run: identical weights, scale and skip count on every rank, or an error."""
+    """At the end of a DDP/FSDP run: identical weights, scale and skip count on every rank, or an error."""
     if not dist.is_initialized():
         return
     digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for p in model.parameters():  # under FSDP: gathered, so the ranks compare whole weights
+        digest.update(full(p.detach()).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     mine = (digest.hexdigest(), scale, skipped)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if any(other != every[0] for other in every):
-        raise RuntimeError(f"DDP ranks diverged (weights sha256, scale, skipped steps per rank): {every}")
+        raise RuntimeError(f"ranks diverged (weights sha256, scale, skipped steps per rank): {every}")
 
 
 def finish() -> None:

@@ -32,6 +32,7 @@ class PrecisionPolicy:
     keep_norm_fp32: bool
     tf32: bool
     device_type: str = "cpu"
+    reduce_dtype: torch.dtype = torch.float32  # trainer=fsdp: dtype gradients are reduce-scattered in
 
     @classmethod
     def from_config(cls, cfg, device_type: str) -> PrecisionPolicy:
@@ -44,6 +45,7 @@ class PrecisionPolicy:
             keep_norm_fp32=bool(cfg.keep_norm_fp32),
             tf32=bool(cfg.tf32),
             device_type=device_type,
+            reduce_dtype=DTYPES[cfg.reduce_dtype],
         )
 
     @property
@@ -220,7 +222,9 @@ class OptimizerParams:
     def first_nonfinite(self) -> str | None:
         """Name of the first parameter (in model order) whose unscaled gradient is inf/NaN."""
         for name, p in self.named():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            # FSDP: a DTensor's shards live on different ranks; gather so that all ranks agree
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
                 return name
         return None
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halfprec.distributed import any_rank, grad_sync
+from halfprec.distributed import any_rank, full, grad_sync
 from halfprec.precision import OptimizerParams, PrecisionPolicy
 from halfprec.scaling import LossScaler, TrainingAborted
 
@@ -44,7 +44,7 @@ def optimizer_step(
     # (loss_weight < 1 shrinks every gradient: the loss_scaling experiment's simulated small gradients)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     for i, (x, y) in enumerate(micro_batches):
-        with grad_sync(model, sync=i == k - 1):  # DDP: all-reduce the grads in the last backward only
+        with grad_sync(model, sync=i == k - 1):  # DDP/FSDP: reduce the grads in the last backward only
             with policy.autocast():
                 logits = model(policy.cast_input(x))
             loss = loss_fn(logits.float(), y)
@@ -55,8 +55,9 @@ def optimizer_step(
     grads = params.unscale_(1.0 / scaler.scale)
 
     # 3. one inf/NaN check: the total norm is finite iff every gradient is; one host sync
-    # (under DDP, reduced over ranks so that all of them skip together)
-    grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    # (under DDP/FSDP, reduced over ranks so that all of them skip together; FSDP's grads are
+    # shards, so their norm is a DTensor: `full` makes it the global norm on every rank)
+    grad_norm = full(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
     found_inf = any_rank(~torch.isfinite(grad_norm))
     culprit = params.first_nonfinite() if found_inf else None  # overflow steps only: rare
 

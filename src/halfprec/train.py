@@ -37,7 +37,7 @@ from halfprec.data import Batches, Dataset, build_dataset, eval_batches
 from halfprec.distributed import World
 from halfprec.init import apply_init
 from halfprec.models import create_model
-from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute_dtypes
+from halfprec.precision import COMPUTE_TYPES, OptimizerParams, PrecisionPolicy, observe_compute_dtypes
 from halfprec.progress import Progress
 from halfprec.scaling import LossScaler, TrainingAborted, build_scaler
 from halfprec.step import optimizer_step
@@ -132,25 +132,29 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     policy = PrecisionPolicy.from_config(cfg.precision, device.type)
     policy.apply_backend_flags()
     policy.prepare_model(model)
+    # same seed, so the same weights on every rank (DDP also broadcasts rank 0's); FSDP shards
+    # them in place, so this comes before the optimizer takes the parameters
+    net = distributed.wrap(model, world, device, cfg.trainer.distributed, policy)
     params = OptimizerParams(model, policy)
     optimizer = build_optimizer(cfg, params, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = build_scaler(cfg.scaler, policy.uses_fp16)
-    net = distributed.wrap(model, world, device)  # same seed on every rank; DDP also broadcasts rank 0's weights
     return Components(model, data, policy, params, optimizer, scheduler, scaler, device, world, net)
 
 
 def inject_nonfinite_grad(model: nn.Module, accum: int):
-    """Make the window's last micro-batch produce inf gradients, for checking the skip path end
-    to end. Through a gradient hook, so the forward (and BatchNorm statistics) stay finite."""
-    param = next(p for p in model.parameters() if p.requires_grad)
+    """Make the window's last micro-batch produce inf gradients in the first Linear/Conv layer, for
+    checking the skip path end to end. Through a hook on that layer's output gradient, so the
+    forward (and BatchNorm statistics) stay finite, and it works the same on a sharded model."""
+    layer = next(m for m in model.modules() if isinstance(m, COMPUTE_TYPES))
     calls = [0]
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
+    def forward_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         calls[0] += 1
-        return grad * float("inf") if calls[0] == accum else grad
+        if calls[0] == accum and out.requires_grad:
+            out.register_hook(lambda grad: grad * float("inf"))
 
-    return param.register_hook(hook)
+    return layer.register_forward_hook(forward_hook)
 
 
 @dataclass
@@ -165,12 +169,15 @@ class LoopState:
     final: dict = field(default_factory=dict)
 
 
-def checkpoint_state(cfg: DictConfig, c: Components, batches: Batches, loop: LoopState, tracker) -> dict:
+def checkpoint_state(
+    cfg: DictConfig, c: Components, batches: Batches, loop: LoopState, tracker, weights: tuple[dict, dict]
+) -> dict:
+    model_state, optimizer_state = weights
     return {
         "step": loop.step,
-        "model": c.model.state_dict(),
+        "model": model_state,
         "params": c.params.state_dict(),
-        "optimizer": c.optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "scheduler": c.scheduler.state_dict(),
         "scaler": c.scaler.state_dict(),
         "rng": rng_state(),
@@ -178,13 +185,17 @@ def checkpoint_state(cfg: DictConfig, c: Components, batches: Batches, loop: Loo
         "loop": asdict(loop),
         "config": saved_config(cfg),
         "wandb_id": tracker.wandb_id,
+        "world_size": c.world.size,
     }
 
 
 def restore(ckpt: dict, c: Components, batches: Batches) -> LoopState:
-    c.model.load_state_dict(ckpt["model"])
+    if distributed.is_sharded(c.model):
+        distributed.load_full_state(c.model, c.optimizer, ckpt["model"], ckpt["optimizer"])
+    else:
+        c.model.load_state_dict(ckpt["model"])
+        c.params.load_optimizer_state(c.optimizer, ckpt["optimizer"])
     c.params.load_state_dict(ckpt["params"])
-    c.params.load_optimizer_state(c.optimizer, ckpt["optimizer"])
     c.scheduler.load_state_dict(ckpt["scheduler"])
     c.scaler.load_state_dict(ckpt["scaler"])
     batches.load_state_dict(ckpt["data"])
@@ -210,6 +221,12 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
         ckpt = load_checkpoint(path)
         for note in check_resume_config(ckpt["config"], saved_config(cfg), path):
             print(f"resume: {note}", file=sys.stderr)
+        if world.is_main and ckpt.get("world_size", 1) != world.size:
+            print(
+                f"resume: world size {ckpt.get('world_size', 1)} -> {world.size}: the effective batch becomes "
+                f"{cfg.data.batch_size * cfg.accum * world.size} and the sample order differs from the first run",
+                file=sys.stderr,
+            )
     c = build(cfg, world)
     batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
@@ -245,9 +262,10 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
     def save(name: str | None = None) -> Path:
         if torch.is_tensor(loop.clean_loss_sum):
             loop.clean_loss_sum = loop.clean_loss_sum.item()
-        if not main:  # DDP: the ranks hold the same state; rank 0 writes it
+        weights = distributed.full_state(c.model, c.optimizer)  # FSDP: every rank takes part
+        if not main:  # the ranks hold the same state (FSDP: gathered to rank 0); rank 0 writes it
             return ckpt_dir / (name or f"step-{loop.step:08d}.pt")
-        state = checkpoint_state(cfg, c, batches, loop, tracker)
+        state = checkpoint_state(cfg, c, batches, loop, tracker, weights)
         if name:  # a crash checkpoint: never picked by resume=auto
             save_atomic(state, ckpt_dir / name)
             return ckpt_dir / name
