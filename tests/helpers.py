@@ -54,6 +54,9 @@ DTYPES = {
     "O2": ("float16", "float16"),
     "O3": ("float16", "float16"),
     "bf16_pure": ("bfloat16", "bfloat16"),
+    "bf16_pure_kahan": ("bfloat16", "bfloat16"),
+    "bf16_pure_stochastic": ("bfloat16", "bfloat16"),
+    "bf16_pure_master": ("bfloat16", "bfloat16"),
 }
 
 

@@ -18,7 +18,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 # `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
 OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "O0", "O1", "O2", "O3")
+PRECISIONS = (
+    "fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "bf16_pure_kahan", "bf16_pure_stochastic",
+    "bf16_pure_master", "O0", "O1", "O2", "O3",
+)  # fmt: skip
 SCALERS = ("auto", "none", "static", "dynamic")
 INITS = ("default", "kaiming", "xavier", "fixup")
 SCHEDULES = ("constant", "cosine")
@@ -41,9 +44,11 @@ TOP_KEYS = (
     "sched",
     "logger",
     "trainer",
+    "diagnostics",
     "objective",
     "fail_fast",
 )
+DIAGNOSTICS_KEYS = ("every", "activations", "skips")
 OBJECTIVES = ("val/acc", "val/loss", "train/loss")
 PRECISION_KEYS = (
     "name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32", "reduce_dtype"
@@ -225,6 +230,7 @@ def validate(cfg: DictConfig) -> None:
         _int_at_least(cfg, "data.num_val", 1, "validation samples")
     if limit is not None and batch > limit:
         raise ConfigError("data.batch_size", batch, f"must be <= the {limit} training samples")
+    _check_disk_data(cfg)
 
     # optimizer and schedule
     _need(cfg, "optim._target_", lambda v: isinstance(v, str) and "." in v, "must name an optimizer class")
@@ -267,6 +273,46 @@ def validate(cfg: DictConfig) -> None:
         lambda v: isinstance(v, ListConfig) and all(_is_int(s) and s >= 1 for s in v),
         "must be a list of optimizer steps (1-based), e.g. [3]",
     )
+    _validate_diagnostics(cfg)
+
+
+def _validate_diagnostics(cfg: DictConfig) -> None:
+    _known_keys(cfg, "diagnostics", DIAGNOSTICS_KEYS, "diagnostics")
+    every = _int_at_least(cfg, "diagnostics.every", 0, "optimizer steps between diagnostics rows; 0 = never")
+    for key in ("activations", "skips"):
+        _need(cfg, f"diagnostics.{key}", lambda v: isinstance(v, bool), "must be true or false")
+    if cfg.diagnostics.activations and every == 0:
+        raise ConfigError(
+            "diagnostics.activations", True, "needs diagnostics.every > 0 (or diagnostics=grads) to take effect"
+        )
+
+
+def _check_disk_data(cfg: DictConfig) -> None:
+    """The keys of datasets read from disk (cifar10, imagefolder). Whether data.root holds the data is
+    checked when the dataset is built, by the loader that knows its files."""
+    data = cfg.data
+    if "root" in data:
+        _need(cfg, "data.root", lambda v: isinstance(v, str) and v != "", "must be the dataset's directory")
+    for key in ("download", "verify", "pin_memory"):
+        if key in data:
+            _need(cfg, f"data.{key}", lambda v: isinstance(v, bool), "must be true or false")
+    if "image_size" in data:
+        _int_at_least(cfg, "data.image_size", 1, "the side of the square crops the model sees, e.g. 224")
+    if "num_workers" in data:
+        workers = _int_at_least(cfg, "data.num_workers", 0, "DataLoader processes; 0 = load in the training process")
+        persistent = _need(
+            cfg,
+            "data.persistent_workers",
+            lambda v: v is None or isinstance(v, bool),
+            "must be true, false or null (null: true when data.num_workers > 0)",
+        )
+        if persistent and workers == 0:
+            raise ConfigError(
+                "data.persistent_workers",
+                True,
+                "keeps DataLoader worker processes between epochs, but data.num_workers=0 starts none: "
+                "set data.num_workers >= 1 (e.g. 4), or data.persistent_workers=null",
+            )
 
 
 def validate_optimizer(cfg: DictConfig) -> None:

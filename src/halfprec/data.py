@@ -1,15 +1,25 @@
-"""Datasets that need no download: scikit-learn's bundled digits, and synthetic images.
+"""Datasets. Digits and synthetic images live in memory; CIFAR-10 and ImageFolder trees are read from disk.
 
-Both are small enough to live on the device as two tensors, so batches are index gathers
-rather than a DataLoader collating single samples (which would dominate a tiny model's step).
+The in-memory ones are small enough to live on the device as two tensors, so batches are index
+gathers rather than a DataLoader collating single samples (which would dominate a tiny model's
+step). The ones on disk use torchvision's datasets and transforms behind a torch DataLoader, with
+the same sample order, rank slices and resumable position as the in-memory ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Dataset as TorchDataset
+
+from halfprec.config import ConfigError
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+CIFAR10_FILES = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"]
 
 
 @dataclass
@@ -17,13 +27,60 @@ class Split:
     x: torch.Tensor  # (N, C, H, W) float32
     y: torch.Tensor  # (N,) int64
 
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class Workers:
+    """torch DataLoader settings for the datasets read from disk (`data.num_workers`, ...)."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool | None = None  # None: keep the workers between epochs whenever there are any
+
+    def loader_args(self, device: torch.device) -> dict:
+        persistent = self.num_workers > 0 if self.persistent_workers is None else self.persistent_workers
+        return {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory and device.type == "cuda",  # it only speeds up copies to a GPU
+            "persistent_workers": persistent,
+            # its own generator: starting an epoch then takes no number from the global RNG, which
+            # dropout draws from and checkpoints restore
+            "generator": torch.Generator().manual_seed(0),
+        }
+
 
 @dataclass
 class Dataset:
-    train: Split
-    val: Split
+    """What a loader function returns: the splits, and the input shape and classes a model is built for.
+
+    `train` and `val` are in-memory Splits, or map-style torch datasets of (image tensor, label).
+    """
+
+    train: Split | TorchDataset
+    val: Split | TorchDataset
     input_shape: tuple[int, ...]
     num_classes: int
+    workers: Workers = field(default_factory=Workers)
+    _val_loader: DataLoader | None = field(default=None, init=False, repr=False)
+
+    def train_batches(
+        self, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
+    ) -> Batches | LoaderBatches:
+        """Endless training micro-batches for this rank: see `Batches`."""
+        if isinstance(self.train, Split):
+            return Batches(self.train, batch_size, seed, device, rank, world_size)
+        return LoaderBatches(self.train, batch_size, seed, device, rank, world_size, self.workers)
+
+    def val_batches(self, batch_size: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass over the validation split, in order."""
+        if isinstance(self.val, Split):
+            return eval_batches(self.val, batch_size, device)
+        if self._val_loader is None or self._val_loader.batch_size != batch_size:
+            # kept between evaluations, so that persistent workers persist
+            self._val_loader = DataLoader(self.val, batch_size, **self.workers.loader_args(device))
+        return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in self._val_loader)
 
 
 def load_digits(val_size: int = 397, seed: int = 0) -> Dataset:
@@ -59,8 +116,104 @@ def make_synthetic(
     return Dataset(split(num_train), split(num_val), tuple(shape), num_classes)
 
 
+def load_cifar10(
+    root: str = "data/cifar10",
+    download: bool = False,
+    verify: bool = True,
+    num_workers: int = 4,
+    pin_memory: bool = True,
+    persistent_workers: bool | None = None,
+) -> Dataset:
+    """torchvision's CIFAR10 from `root`/cifar-10-batches-py: 50,000 training images, randomly cropped and
+    flipped; validation on the 10,000 test images. `verify` checks the files against torchvision's md5 sums."""
+    folder = Path(root) / "cifar-10-batches-py"
+    missing = [name for name in CIFAR10_FILES if not (folder / name).is_file()]
+    if missing and not download:
+        raise ConfigError(
+            "data.root",
+            root,
+            f"no CIFAR-10 here (expected {folder.resolve()}/ with data_batch_1..5, test_batch and batches.meta"
+            f"{'; missing ' + ', '.join(missing) if folder.is_dir() else ''}): download the python version from "
+            f"{CIFAR10_URL} and extract it into {Path(root).resolve()}, or set data.download=true",
+        )
+    from torchvision.datasets import CIFAR10
+
+    from halfprec.vision import UnverifiedCIFAR10, cifar10_transforms
+
+    cifar = CIFAR10 if verify else UnverifiedCIFAR10
+    train_tf, val_tf = cifar10_transforms()
+    try:
+        train = cifar(root, train=True, transform=train_tf, download=download)
+        val = cifar(root, train=False, transform=val_tf)
+    except RuntimeError:  # torchvision's "Dataset not found or corrupted": the files exist, their md5s differ
+        raise ConfigError(
+            "data.root",
+            root,
+            "the CIFAR-10 files there do not match torchvision's md5 sums (an interrupted download, or other "
+            "files): extract them again, or set data.verify=false to use them as they are",
+        ) from None
+    except OSError as err:  # no network (urllib's URLError), or root not writable
+        if not download:
+            raise
+        raise ConfigError(
+            "data.download",
+            True,
+            f"could not fetch CIFAR-10 into {Path(root).resolve()} ({err}): download the python version from "
+            f"{CIFAR10_URL} where there is a network and extract it there",
+        ) from None
+    return Dataset(train, val, (3, 32, 32), len(train.classes), Workers(num_workers, pin_memory, persistent_workers))
+
+
+def load_imagefolder(
+    root: str = "data/imagenet",
+    image_size: int = 224,
+    num_workers: int = 8,
+    pin_memory: bool = True,
+    persistent_workers: bool | None = None,
+) -> Dataset:
+    """torchvision's ImageFolder over `root`/train and `root`/val, one folder per class (labels are the
+    sorted folder names' indices): random resized crops and flips for training, center crops for validation."""
+    dirs = {split: Path(root) / split for split in ("train", "val")}
+    missing = [f"{split}/" for split, path in dirs.items() if not path.is_dir()]
+    if missing:
+        where = Path(root).resolve()
+        raise ConfigError(
+            "data.root",
+            root,
+            f"no ImageFolder tree here (expected {where}/train/<class>/<image> and {where}/val/<class>/<image>; "
+            f"missing {' and '.join(missing)}): put the images there, one folder per class (ImageNet: train/ and "
+            "val/ sorted into its 1,000 class folders), or point data.root at such a tree",
+        )
+    from torchvision.datasets import ImageFolder
+
+    from halfprec.vision import imagenet_transforms
+
+    train_tf, val_tf = imagenet_transforms(image_size)
+    try:
+        train, val = ImageFolder(dirs["train"], train_tf), ImageFolder(dirs["val"], val_tf)
+    except FileNotFoundError as err:  # no class folders, or a class folder without images
+        raise ConfigError("data.root", root, f"not a usable ImageFolder tree: {err}") from None
+    if train.classes != val.classes:
+        # labels are indices into each split's sorted folder names: other folders would mislabel val
+        only_train = sorted(set(train.classes) - set(val.classes))[:5]
+        only_val = sorted(set(val.classes) - set(train.classes))[:5]
+        raise ConfigError(
+            "data.root",
+            root,
+            f"train/ and val/ must hold the same class folders (only in train/: {only_train}; only in val/: "
+            f"{only_val})",
+        )
+    workers = Workers(num_workers, pin_memory, persistent_workers)
+    return Dataset(train, val, (3, image_size, image_size), len(train.classes), workers)
+
+
 # `data.name` -> loader; the other `data.*` keys (but batch_size) are the loader's arguments.
-DATASETS = {"digits": load_digits, "synthetic": make_synthetic}
+DATASETS = {
+    "digits": load_digits,
+    "synthetic": make_synthetic,
+    "cifar10": load_cifar10,
+    "imagefolder": load_imagefolder,
+}
 
 
 def build_dataset(cfg) -> Dataset:
@@ -106,6 +259,99 @@ class Batches:
         idx = self._order[self.index : self.index + self.batch_size][self.shard]
         self.index += self.batch_size
         return self.x[idx], self.y[idx]
+
+
+class _EpochOrder(Sampler):
+    """This rank's samples for the rest of an epoch, as (index, seed) keys, from global position `start`.
+
+    The order is Batches' (a permutation seeded by seed + epoch; each rank takes its slice of every
+    global batch), and every position gets its own augmentation seed. Starting at `start` skips the
+    samples before it without loading them: that is how a resumed run finds its place.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int, world_size: int):
+        self.n, self.batch_size, self.global_batch = n, batch_size, batch_size * world_size
+        self.seed, self.rank = seed, rank
+        self.epoch, self.start = 0, 0
+
+    def __len__(self) -> int:
+        return (self.n - self.start) // self.global_batch * self.batch_size
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g)
+        seeds = torch.randint(2**62, (self.n,), generator=g)
+        batches = (self.n - self.start) // self.global_batch  # the last partial batch is dropped
+        positions = torch.arange(self.start, self.start + batches * self.global_batch).view(batches, -1)
+        mine = positions[:, self.rank * self.batch_size : (self.rank + 1) * self.batch_size].flatten()
+        return zip(order[mine].tolist(), seeds[mine].tolist())
+
+
+class _SeededSamples(TorchDataset):
+    """Loads (index, seed) keys with each sample's random augmentation drawn from its own seed, so a
+    sample comes out the same in whichever process loads it: batches do not depend on num_workers,
+    the world size, or where a run was resumed."""
+
+    def __init__(self, dataset: TorchDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):  # with num_workers=0 this is the training process's RNG
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+class LoaderBatches:
+    """`Batches` for datasets on disk: the same order, rank slices, state and resume, loaded by a DataLoader."""
+
+    def __init__(
+        self,
+        dataset: TorchDataset,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        workers: Workers | None = None,
+    ):
+        self.n, self.global_batch, self.device = len(dataset), batch_size * world_size, device
+        if self.global_batch > self.n:
+            ranks = f" over {world_size} processes" if world_size > 1 else ""
+            fix = f"must be <= {self.n // world_size}: the {self.n} training samples make no full batch{ranks}"
+            raise ConfigError("data.batch_size", batch_size, fix)
+        self.seed, self.epoch, self.index = seed, 0, 0
+        self.sampler = _EpochOrder(self.n, batch_size, seed, rank, world_size)
+        args = (workers or Workers()).loader_args(device)
+        self.loader = DataLoader(_SeededSamples(dataset), batch_size, sampler=self.sampler, **args)
+        self._batches = None  # this epoch's DataLoader iterator, started by the first next()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
+        self.sampler.seed = self.seed
+        self._batches = None  # the next batch starts the epoch's iterator at the restored position
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index + self.global_batch > self.n:
+            self.epoch, self.index, self._batches = self.epoch + 1, 0, None
+        if self._batches is None:
+            self.sampler.epoch, self.sampler.start = self.epoch, self.index
+            self._batches = iter(self.loader)
+        x, y = next(self._batches)
+        self.index += self.global_batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+TrainBatches = Batches | LoaderBatches  # what Dataset.train_batches returns; the loop needs next() and state_dict()
 
 
 def eval_batches(split: Split, batch_size: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

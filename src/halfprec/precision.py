@@ -220,8 +220,10 @@ class OptimizerParams:
         return [p.grad for p in self.params if p.grad is not None]
 
     def first_nonfinite(self) -> str | None:
-        """Name of the first parameter (in model order) whose unscaled gradient is inf/NaN."""
-        for name, p in self.named():
+        """Where inf/NaN gradients start: the first parameter, in the order backward reaches them
+        (model order reversed), whose unscaled gradient is inf/NaN. An overflow flows back into
+        every earlier layer, so the first in model order would nearly always be the input layer."""
+        for name, p in reversed(self.named()):
             # FSDP: a DTensor's shards live on different ranks; gather so that all ranks agree
             grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             if grad is not None and not bool(torch.isfinite(grad).all()):

@@ -17,7 +17,7 @@ import torch
 class TrainingAborted(RuntimeError):
     """Training cannot usefully continue; the message says why and what to try."""
 
-    culprit: str | None = None  # set by the optimizer step: first parameter with a non-finite gradient
+    culprit: str | None = None  # set by the optimizer step: where the non-finite gradients start
 
 
 class LossScaler:

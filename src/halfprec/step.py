@@ -19,7 +19,7 @@ class StepResult:
     loss: torch.Tensor  # mean unscaled loss over the window; stays on the device (no sync)
     grad_norm: torch.Tensor  # true (unscaled) norm, before clipping
     skipped: bool
-    culprit: str | None = None  # on a skipped step: the first parameter whose gradient was inf/NaN
+    culprit: str | None = None  # on a skipped step: where the inf/NaN gradients start (backward order)
 
 
 def optimizer_step(
@@ -33,6 +33,7 @@ def optimizer_step(
     clip_grad_norm: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     loss_weight: float = 1.0,
+    inspect: Callable[[OptimizerParams], None] | None = None,
 ) -> StepResult:
     """Run one optimizer step over `len(micro_batches)` accumulated micro-batches."""
     k = len(micro_batches)
@@ -53,6 +54,8 @@ def optimizer_step(
 
     # 2. unscale once for the whole window (into fp32 master grads in pure modes)
     grads = params.unscale_(1.0 / scaler.scale)
+    if inspect is not None:  # diagnostics steps: look at the true gradients before clipping
+        inspect(params)
 
     # 3. one inf/NaN check: the total norm is finite iff every gradient is; one host sync
     # (under DDP/FSDP, reduced over ranks so that all of them skip together; FSDP's grads are

@@ -7,10 +7,19 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class Histogram:
+    """A histogram in a metric row (diagnostics): drawn by W&B, left out of metrics.jsonl."""
+
+    counts: list[int]
+    edges: list[float]  # len(counts) + 1 bin edges
 
 
 class JsonlSink:
@@ -30,7 +39,11 @@ class JsonlSink:
 
     def log(self, row: dict[str, Any]) -> None:
         # strict JSON (jq, JavaScript): a non-finite number is written as null
-        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        clean = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in row.items()
+            if not isinstance(v, Histogram)
+        }
         self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
 
@@ -93,7 +106,14 @@ class WandbSink:
         self.run.define_metric("*", step_metric="step")
 
     def log(self, row: dict[str, Any]) -> None:
-        self.run.log(row)
+        import wandb
+
+        self.run.log(
+            {
+                k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v
+                for k, v in row.items()
+            }
+        )
 
     def abandon(self) -> None:
         """Close a run that failed, so that the next wandb.init in this process starts afresh."""

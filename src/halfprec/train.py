@@ -33,7 +33,8 @@ from halfprec.checkpoint import (
     set_rng_state,
 )
 from halfprec.config import ConfigError, resolve_device, validate, validate_optimizer
-from halfprec.data import Batches, Dataset, build_dataset, eval_batches
+from halfprec.data import Dataset, TrainBatches, build_dataset
+from halfprec.diagnostics import Diagnostics
 from halfprec.distributed import World
 from halfprec.init import apply_init
 from halfprec.models import create_model
@@ -90,13 +91,13 @@ def evaluate(model: nn.Module, data: Dataset, policy: PrecisionPolicy, batch_siz
     model.eval()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.int64)
-    for x, y in eval_batches(data.val, max(batch_size, 256), device):
+    for x, y in data.val_batches(max(batch_size, 256), device):
         with policy.autocast():
             logits = model(policy.cast_input(x)).float()
         loss_sum += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
     model.train()
-    n = len(data.val.y)
+    n = len(data.val)
     return {"val/loss": loss_sum.item() / n, "val/acc": correct.item() / n}
 
 
@@ -170,7 +171,7 @@ class LoopState:
 
 
 def checkpoint_state(
-    cfg: DictConfig, c: Components, batches: Batches, loop: LoopState, tracker, weights: tuple[dict, dict]
+    cfg: DictConfig, c: Components, batches: TrainBatches, loop: LoopState, tracker, weights: tuple[dict, dict]
 ) -> dict:
     model_state, optimizer_state = weights
     return {
@@ -189,7 +190,7 @@ def checkpoint_state(
     }
 
 
-def restore(ckpt: dict, c: Components, batches: Batches) -> LoopState:
+def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
     if distributed.is_sharded(c.model):
         distributed.load_full_state(c.model, c.optimizer, ckpt["model"], ckpt["optimizer"])
     else:
@@ -228,7 +229,7 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
                 file=sys.stderr,
             )
     c = build(cfg, world)
-    batches = Batches(c.data.train, cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
+    batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
         resume_step = loop.step if ckpt else None
@@ -248,7 +249,7 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     return summary
 
 
-def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: LoopState, ckpt_dir: Path) -> dict:
+def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, loop: LoopState, ckpt_dir: Path) -> dict:
     model, policy, params, scaler = c.model, c.policy, c.params, c.scaler
     t = cfg.trainer
     per_step = cfg.data.batch_size * cfg.accum * c.world.size  # the effective batch
@@ -258,6 +259,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
     first = loop.step + 1
     model.train()
     abort_on_nonfinite = t.nonfinite == "abort" and scaler.kind == "none"
+    diag = Diagnostics(cfg.diagnostics, model, params)
 
     def save(name: str | None = None) -> Path:
         if torch.is_tensor(loop.clean_loss_sum):
@@ -273,7 +275,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
 
     def crash(err: Exception, culprit: str | None) -> TrainingAborted:
         path = save(f"crash-step-{loop.step:08d}.pt")
-        where = f"first non-finite gradient: {culprit}" if culprit else "no non-finite gradient found"
+        where = f"non-finite gradients start at: {culprit}" if culprit else "no non-finite gradient found"
         return TrainingAborted(
             f"step {loop.step}: {err}\n  {where}\n  scale history (step:scale, ! = overflow): "
             f"{scaler.history_tail()}\n  the weights are finite (the step was skipped); crash checkpoint: {path}"
@@ -287,8 +289,11 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
             # under DDP on rank 0 only: the other ranks must skip the step all the same
             injected = inject_nonfinite_grad(model, cfg.accum) if step in inject and main else None
             watch = observe_compute_dtypes(model) if step == first else contextlib.nullcontext()
+            due = diag.due(step)
+            acts = diag.watch_activation_gradients(scaler.scale) if due and diag.activations else None
+            scale_before = scaler.scale
             try:
-                with watch as seen:
+                with watch as seen, acts or contextlib.nullcontext():
                     result = optimizer_step(
                         c.net or model,
                         micro,
@@ -299,6 +304,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
                         params,
                         cfg.optim.clip_grad_norm,
                         loss_weight=t.loss_weight,
+                        inspect=diag.inspect_gradients if due else None,
                     )
             except TrainingAborted as err:
                 raise crash(err, err.culprit) from None
@@ -312,6 +318,18 @@ def train_loop(cfg: DictConfig, c: Components, batches: Batches, tracker, loop: 
                 dtypes = policy.check(model, seen, params.master)
                 if step == 1:
                     row.update(dtypes)
+            if due:
+                row.update(diag.collect())
+            if result.skipped and diag.skips:  # the loss is read back only on skipped steps
+                source = diag.skip_source(result.loss, result.culprit)
+                row["diag/skip_source"] = source
+                if main:
+                    print(
+                        f"step {step}: skipped, inf/NaN gradients from {source}; "
+                        f"scale {scale_before:g} -> {scaler.scale:g}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if not result.skipped:  # a skipped step's loss is often inf: keep it out of the mean
                 # accumulate on the device; the host reads it back only when a row is logged
                 loop.clean_loss_sum = result.loss + loop.clean_loss_sum

@@ -1,0 +1,147 @@
+"""Gradient diagnostics (the `diagnostics` group): per layer, how many gradient values fp16 could
+not hold, a histogram of their exponents, and which layer a skipped step's inf/NaN came from.
+
+Everything is computed on the device and read back in one transfer per diagnostics step; with
+`diagnostics=none` the optimizer step runs exactly as without this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from halfprec.distributed import full
+from halfprec.precision import COMPUTE_TYPES, OptimizerParams
+from halfprec.tracking import Histogram
+
+FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
+FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf
+LOG2_RANGE = (-40, 20)  # histogram of log2|g|, one bin per power of two; values outside land in the end bins
+
+
+def layer_of(param_name: str) -> str:
+    """The module a parameter belongs to: `blocks.3.conv1.weight` -> `blocks.3.conv1`."""
+    return param_name.rpartition(".")[0] or param_name
+
+
+def _counts(values: torch.Tensor, tiny: float) -> torch.Tensor:
+    """[values, exactly zero, 0 < |v| < tiny, |v| > FP16_MAX or non-finite] of a flat tensor, on its device."""
+    a = values.detach().float().abs()
+    zero = (a == 0).sum()
+    under = ((a > 0) & (a < tiny)).sum()
+    over = (~(a <= FP16_MAX)).sum()  # inf and NaN count as overflow
+    return torch.stack([torch.tensor(a.numel(), device=a.device), zero, under, over]).float()
+
+
+def _log2_histogram(values: torch.Tensor) -> torch.Tensor:
+    low, high = LOG2_RANGE
+    a = values.detach().float().abs()
+    a = a[(a > 0) & torch.isfinite(a)]
+    return torch.histc(a.log2().clamp(low, high - 1e-3), bins=high - low, min=low, max=high)
+
+
+class Diagnostics:
+    def __init__(self, cfg, model: nn.Module, params: OptimizerParams):
+        self.every = int(cfg.every)
+        self.activations = bool(cfg.activations)
+        self.skips = bool(cfg.skips)
+        self.model = model
+        self.compute_layers = [name for name, m in model.named_modules() if isinstance(m, COMPUTE_TYPES)]
+        # parameter indices (in OptimizerParams order) per layer, layers in model order
+        self.layers: dict[str, list[int]] = {}
+        for i, name in enumerate(params.names):
+            self.layers.setdefault(layer_of(name), []).append(i)
+        self._grad_counts: torch.Tensor | None = None
+        self._grad_hists: torch.Tensor | None = None
+        self._act_counts: dict[str, torch.Tensor] = {}
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step == 1 or step % self.every == 0)
+
+    @torch.no_grad()
+    def inspect_gradients(self, params: OptimizerParams) -> None:
+        """Called by the optimizer step between unscaling and clipping: the true gradients.
+        Under FSDP every rank calls it (each sharded gradient is gathered)."""
+        grads = [p.grad for p in params.params]
+        counts, hists = [], []
+        for indices in self.layers.values():
+            flat = [full(grads[i]).flatten() for i in indices if grads[i] is not None]
+            if not flat:
+                counts.append(torch.zeros(4, device=params.params[indices[0]].device))
+                hists.append(torch.zeros(LOG2_RANGE[1] - LOG2_RANGE[0], device=counts[-1].device))
+                continue
+            values = torch.cat(flat)
+            counts.append(_counts(values, FP16_TINY))
+            hists.append(_log2_histogram(values))
+        self._grad_counts, self._grad_hists = torch.stack(counts), torch.stack(hists)
+
+    @contextlib.contextmanager
+    def watch_activation_gradients(self, scale: float) -> Iterator[None]:
+        """Count the gradients flowing into each Linear/Conv output during this step's backward,
+        unscaled (a value below FP16_TINY * scale is below FP16_TINY once the scale is divided out)."""
+        self._act_counts = {}
+
+        def forward_hook(name: str):
+            def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+                if torch.is_tensor(out) and out.requires_grad:
+                    out.register_hook(lambda g: self._add_act(name, _counts(g.flatten(), FP16_TINY * scale)))
+
+            return hook
+
+        handles = [
+            self.model.get_submodule(name).register_forward_hook(forward_hook(name)) for name in self.compute_layers
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _add_act(self, name: str, counts: torch.Tensor) -> None:
+        self._act_counts[name] = counts + self._act_counts.get(name, 0)
+
+    def collect(self) -> dict:
+        """The row for this diagnostics step: fractions for metrics.jsonl and W&B, histograms for W&B."""
+        row: dict = {}
+        if self._grad_counts is not None:
+            counts, hists = self._grad_counts.cpu(), self._grad_hists.cpu()  # the one host read
+            row.update(_fractions("grad", list(self.layers), counts))
+            edges = [float(e) for e in range(LOG2_RANGE[0], LOG2_RANGE[1] + 1)]
+            for layer, hist in zip(self.layers, hists):
+                if hist.sum() > 0:
+                    row[f"grad_log2/{layer}"] = Histogram([int(c) for c in hist.tolist()], edges)
+        if self._act_counts:
+            names = [n for n in self.compute_layers if n in self._act_counts]  # model order
+            row.update(_fractions("act", names, torch.stack([self._act_counts[n] for n in names]).cpu()))
+        self._grad_counts = self._grad_hists = None
+        self._act_counts = {}
+        return row
+
+    def skip_source(self, loss: torch.Tensor, culprit: str | None) -> str:
+        """Where a skipped step's inf/NaN came from, in words (read only on skipped steps)."""
+        if not bool(torch.isfinite(loss)):
+            return "the forward pass (the loss itself is inf/NaN: an activation overflowed)"
+        if culprit is None:
+            return "no parameter gradient is inf/NaN on this rank (another rank overflowed)"
+        layer = layer_of(culprit)
+        kind = type(self.model.get_submodule(layer)).__name__ if layer != culprit else "parameter"
+        return f"{layer} ({kind})"
+
+
+def _fractions(kind: str, layers: list[str], counts: torch.Tensor) -> dict:
+    """Per-layer and whole-model fractions from rows of [n, zero, underflow, overflow]."""
+    row: dict = {}
+    total = counts.sum(0)
+    n = max(float(total[0]), 1.0)
+    row[f"diag/{kind}_underflow"] = float(total[2]) / n
+    row[f"diag/{kind}_overflow"] = float(total[3]) / n
+    row[f"diag/{kind}_zero"] = float(total[1]) / n
+    for layer, c in zip(layers, counts):
+        size = max(float(c[0]), 1.0)
+        row[f"{kind}_underflow/{layer}"] = float(c[2]) / size
+        row[f"{kind}_overflow/{layer}"] = float(c[3]) / size
+        row[f"{kind}_zero/{layer}"] = float(c[1]) / size
+    return row
