@@ -433,6 +433,21 @@ def test_experiments_define_their_sweeps():
     with initialize_config_dir(str(CONF), version_base="1.3"):
         acc = compose("train", overrides=["+experiment=accumulation", "accum=4"], return_hydra_config=True)
         depth = compose("train", overrides=["+experiment=init_depth"], return_hydra_config=True)
+        fixup = compose("train", overrides=["+experiment=fixup_depth"], return_hydra_config=True)
+        rounding = compose("train", overrides=["+experiment=bf16_pure_rounding"], return_hydra_config=True)
     assert acc.data.batch_size * acc.accum == 256  # fixed effective batch
     assert set(acc.hydra.sweeper.params) == {"accum", "precision"}
     assert depth.model.arch == "fixup_resnet" and set(depth.hydra.sweeper.params) == {"init", "model.blocks_per_stage"}
+    assert fixup.model.arch == "fixup_resnet"
+    assert dict(fixup.hydra.sweeper.params) == {
+        "init": "default,kaiming,fixup", "precision": "fp32,fp16", "model.blocks_per_stage": "1,6"
+    }  # fmt: skip
+    # every precision in the rounding sweep is an option file whose update rule is what its name says
+    variants = rounding.hydra.sweeper.params.precision.split(",")
+    assert variants == ["fp32", "bf16_pure", "bf16_pure_kahan", "bf16_pure_stochastic", "bf16_pure_master"]
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        chosen = {v: compose("train", overrides=[f"precision={v}"]).precision for v in variants[1:]}
+    assert [(p.param_dtype, p["update"], p.master_weights) for p in chosen.values()] == [
+        ("bfloat16", "nearest", False), ("bfloat16", "kahan", False), ("bfloat16", "stochastic", False),
+        ("bfloat16", "nearest", True),
+    ]  # fmt: skip

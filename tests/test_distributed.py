@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import read_jsonl
 
 import wandb_records
-from helpers import torchrun
+from helpers import TINY, TRAIN, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -128,3 +134,58 @@ def test_fsdp_config_errors(monkeypatch, overrides, message):
     with pytest.raises(ConfigError) as info:
         validate(compose_cfg(*overrides))
     assert message in str(info.value)
+
+
+def worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with RANK=`rank` (from /proc: children of the agent, by environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if ppid == agent_pid and f"RANK={rank}".encode() in env:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
+def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
+    # SIGTERM to rank 1 alone: without an agreement rank 0 would train on and hang in the next all-reduce
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(TRAIN), *TINY]
+    args += [
+        "trainer=ddp",
+        "logger=none",
+        "trainer.max_steps=100000",
+        "trainer.ckpt_every=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    agent = subprocess.Popen(args, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline and agent.poll() is None, "the run did not start"
+            time.sleep(0.2)
+        pid = worker_pid(agent.pid, rank=1)
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        _, stderr = agent.communicate(timeout=120)
+    finally:
+        agent.kill()
+    stderr = stderr.decode()
+    assert agent.returncode == 1  # torchrun's own code when a worker exits non-zero (each worker: 4)
+    (ckpt,) = (run_dir / "checkpoints").glob("step-*.pt")
+    stopped_at = int(ckpt.stem.split("-")[1])
+    assert f"stopped: SIGTERM at step {stopped_at}" in stderr  # rank 1
+    assert f"stopped: a stop signal on another rank at step {stopped_at}" in stderr  # rank 0, same step
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == stopped_at < 100000
+
+    # and the run continues from it, on both ranks
+    resumed = torchrun(tmp_path, "trainer=ddp", "logger=none", "resume=auto", f"trainer.max_steps={stopped_at + 2}",
+                       f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == stopped_at + 2

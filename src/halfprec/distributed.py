@@ -8,6 +8,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    control: Any = None  # a gloo group for host-side agreements on CUDA; None: the default group
 
     @property
     def enabled(self) -> bool:
@@ -41,6 +43,8 @@ def init(mode: str, device_type: str) -> World:
         torch.cuda.set_device(world.local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    if device_type == "cuda":  # host flags (stop signals) must not wait on the GPU's stream
+        world = World(world.rank, world.size, world.local_rank, dist.new_group(backend="gloo"))
     return world
 
 
@@ -142,6 +146,22 @@ def any_rank(flag: torch.Tensor) -> bool:
         flag = flag.float()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag)
+
+
+def any_rank_on_host(world: World, flag: bool) -> bool:
+    """True on every rank if `flag` is true on any, reduced on the host (gloo): no device sync.
+    For stop signals, which reach each rank at its own moment: all ranks must stop at one step."""
+    if not world.enabled:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)
+    return bool(t.item())
+
+
+def barrier(world: World) -> None:
+    """Wait for every rank (on the host): e.g. until rank 0 has written a checkpoint."""
+    if world.enabled:
+        dist.barrier(group=world.control)
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:

@@ -363,11 +363,14 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                 tracker.log(row)
                 loop.final.update(row)
                 progress.update(step, loop.final, scaler)
-            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps or stop.received:
+            # DDP/FSDP: a signal reaches each rank at its own moment; all of them stop at this step
+            stopping = distributed.any_rank_on_host(c.world, stop.received is not None)
+            if (t.ckpt_every and step % t.ckpt_every == 0) or step == t.max_steps or stopping:
                 path = save()
-            if stop.received and step < t.max_steps:
+            if stopping and step < t.max_steps:
+                distributed.barrier(c.world)  # no rank exits (and gets the job torn down) before the save
                 stop.forward()  # under submitit: requeue this job (it resumes with resume=auto)
-                name = signal.Signals(stop.received).name
+                name = signal.Signals(stop.received).name if stop.received else "a stop signal on another rank"
                 raise Preempted(
                     f"{name} at step {step}: saved {path}; continue with the same overrides plus "
                     f"hydra.run.dir={ckpt_dir.parent} resume=auto"
