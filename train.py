@@ -9,11 +9,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from halfprec.checkpoint import Preempted
 from halfprec.config import ConfigError, validate
-from halfprec.init import InitError
-from halfprec.precision import PrecisionMismatch
-from halfprec.scaling import TrainingAborted
+from halfprec.errors import InitError, PrecisionMismatch, Preempted, TrainingAborted
 
 # What each user-facing failure prints and exits with (README, "Errors").
 EXIT_CODES = {

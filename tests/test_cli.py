@@ -60,6 +60,7 @@ def disk_data(tmp_path_factory) -> dict[str, list[str]]:
     return {
         "data=cifar10": [f"data.root={cifar10}", "data.verify=false"],
         "data=imagefolder": [f"data.root={folder}", "data.image_size=32"],
+        "experiment+cifar10": [f"data.root={cifar10}", "data.verify=false"],
     }
 
 
@@ -166,6 +167,8 @@ OPTION_SWEEPS = {
     "data=cifar10": ["data=cifar10"],  # the options that read files, each with its own disk_data overrides
     "data=imagefolder": ["data=imagefolder"],
     "experiment": ["+experiment=glob(*)"],
+    # the experiments are digits-sized by default; at scale they take data=cifar10 (and a GPU)
+    "experiment+cifar10": ["+experiment=glob(*)", "data=cifar10", "data.num_workers=0"],
 }
 
 

@@ -259,3 +259,19 @@ def test_tiny_cifar10_files_are_pickles_of_the_documented_layout(cifar_root):
     with open(cifar_root / "cifar-10-batches-py" / "data_batch_1", "rb") as f:
         batch = pickle.load(f, encoding="latin1")
     assert batch["data"].dtype.name == "uint8" and batch["data"].shape == (8, 3072) and len(batch["labels"]) == 8
+
+
+def test_digits_are_read_without_importing_scikit_learn_and_equal_its_loader():
+    # the fast path reads the file scikit-learn ships; its own loader must give the same data
+    import subprocess
+    import sys
+
+    code = "import sys; from halfprec.data import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from halfprec.data import _digits_arrays
+
+    pixels, labels = _digits_arrays()
+    reference = sk_load_digits()
+    assert (pixels == reference.data).all() and (labels == reference.target).all()

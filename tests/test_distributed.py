@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -163,7 +164,9 @@ def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
         "trainer.ckpt_every=0",
         f"hydra.run.dir={run_dir}",
     ]
-    agent = subprocess.Popen(args, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # its own process group, so that a failure here takes the workers down with the agent
+    agent = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics.jsonl"
@@ -175,7 +178,8 @@ def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
         os.kill(pid, signal.SIGTERM)
         _, stderr = agent.communicate(timeout=120)
     finally:
-        agent.kill()
+        with contextlib.suppress(ProcessLookupError):  # nothing left of the group: all exited
+            os.killpg(agent.pid, signal.SIGKILL)
     stderr = stderr.decode()
     assert agent.returncode == 1  # torchrun's own code when a worker exits non-zero (each worker: 4)
     (ckpt,) = (run_dir / "checkpoints").glob("step-*.pt")

@@ -1,13 +1,14 @@
 """The precision modes on a CUDA GPU: what they compute in, and that they train. Skipped without one."""
 
 import json
+import warnings
 
 import pytest
 import torch
 
 from halfprec.train import run
 
-from helpers import DTYPES, compose_cfg, torchrun
+from helpers import DTYPES, batch, build_from, compose_cfg, step, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,3 +43,23 @@ def test_torchrun_on_cuda_with_nccl(trainer, precision, tmp_path):
     assert (summary["precision/compute_dtype"], summary["precision/param_dtype"]) == (DTYPES[precision][0], "float32")
     assert summary["world_size"] == nproc and summary["scaler/skipped_steps"] >= 1
     assert summary["val/acc"] > 0.9
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_pure_master"])
+def test_the_step_syncs_the_host_once(precision):
+    # the skip decision needs one device-to-host read per optimizer step; nothing else may wait on the GPU
+    c, _ = build_from(f"precision={precision}", "trainer.device=cuda", "accum=2")
+    micro = [tuple(t.cuda() for t in batch(64, seed=i)) for i in range(2)]
+    for _ in range(3):  # warm-up: lazy inits (cuBLAS handles, optimizer state) may sync once
+        step(c, micro)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(10):
+                step(c, micro)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 10, [str(w.message)[:200] for w in syncs[:5]]

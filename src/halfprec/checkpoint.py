@@ -25,11 +25,8 @@ CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 # Config keys that may differ on resume: they change how long or how visibly the run goes on,
 # not what a step computes. Anything else (model, precision, data, optimizer, ...) is an error.
 RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
-                     "trainer.ckpt_every", "trainer.ckpt_keep", "logger")  # fmt: skip
-
-
-class Preempted(Exception):
-    """A stop signal (SIGTERM, SIGUSR1) arrived; a checkpoint was saved. The message says how to resume."""
+                     "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
+                     "logger")  # fmt: skip
 
 
 class StopSignals:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,13 +140,14 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
     set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
 
 
-def any_rank(flag: torch.Tensor) -> bool:
-    """True on every rank if `flag` is true on any (ranks must agree on skipping a step). Reduced
-    on the flag's device before the one host read, so DDP adds no second sync to the step."""
+def nonfinite_on_any_rank(value: torch.Tensor) -> bool:
+    """True on every rank if `value` (a scalar) is inf/NaN on any: ranks must agree on skipping a
+    step. Reduced on the value's device before the one host read, so DDP adds no second sync."""
     if dist.is_initialized():
-        flag = flag.float()
+        flag = (~torch.isfinite(value)).float()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag)
+        return bool(flag)
+    return not math.isfinite(value.item())
 
 
 def any_rank_on_host(world: World, flag: bool) -> bool:

@@ -7,11 +7,8 @@ import math
 import torch
 from torch import nn
 
+from halfprec.errors import InitError
 from halfprec.precision import COMPUTE_TYPES, NORM_TYPES
-
-
-class InitError(ValueError):
-    """The init scheme cannot be applied to this model."""
 
 
 def init_kaiming(

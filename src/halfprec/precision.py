@@ -10,16 +10,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from halfprec.errors import PrecisionMismatch
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # Normalization statistics are sums of many squares: in fp16 they overflow or lose the mean.
 # apex O2 and fairseq keep them in fp32; so do we (`precision.keep_norm_fp32`).
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
-
-
-class PrecisionMismatch(RuntimeError):
-    """The model did not compute, or store its weights, in the dtype the config asked for."""
 
 
 @dataclass

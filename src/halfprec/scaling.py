@@ -13,11 +13,7 @@ from collections import deque
 
 import torch
 
-
-class TrainingAborted(RuntimeError):
-    """Training cannot usefully continue; the message says why and what to try."""
-
-    culprit: str | None = None  # set by the optimizer step: where the non-finite gradients start
+from halfprec.errors import TrainingAborted
 
 
 class LossScaler:

@@ -21,7 +21,6 @@ from torch import nn
 
 from halfprec import distributed
 from halfprec.checkpoint import (
-    Preempted,
     StopSignals,
     check_resume_config,
     checkpoint_files,
@@ -36,6 +35,7 @@ from halfprec.config import ConfigError, resolve_device, validate, validate_opti
 from halfprec.data import Dataset, TrainBatches, build_dataset
 from halfprec.diagnostics import Diagnostics
 from halfprec.distributed import World
+from halfprec.errors import Preempted
 from halfprec.init import apply_init
 from halfprec.models import create_model
 from halfprec.precision import COMPUTE_TYPES, OptimizerParams, PrecisionPolicy, observe_compute_dtypes
@@ -115,6 +115,7 @@ class Components:
     device: torch.device
     world: World = field(default_factory=World)
     net: nn.Module | None = None  # what the step runs through: the DDP wrapper, or the model itself
+    compiled: nn.Module | None = None  # torch.compile(net) when trainer.compile=true
 
 
 def build(cfg: DictConfig, world: World | None = None) -> Components:
@@ -133,6 +134,8 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     policy = PrecisionPolicy.from_config(cfg.precision, device.type)
     policy.apply_backend_flags()
     policy.prepare_model(model)
+    if use_channels_last(cfg.trainer.channels_last, model, device):
+        model.to(memory_format=torch.channels_last)  # convs then pick NHWC kernels (faster with AMP on GPUs)
     # same seed, so the same weights on every rank (DDP also broadcasts rank 0's); FSDP shards
     # them in place, so this comes before the optimizer takes the parameters
     net = distributed.wrap(model, world, device, cfg.trainer.distributed, policy)
@@ -140,7 +143,16 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     optimizer = build_optimizer(cfg, params, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = build_scaler(cfg.scaler, policy.uses_fp16)
-    return Components(model, data, policy, params, optimizer, scheduler, scaler, device, world, net)
+    # the checkpoints keep saving `model` itself: no `_orig_mod.` prefixes in their keys
+    compiled = torch.compile(net) if cfg.trainer.compile else None
+    return Components(model, data, policy, params, optimizer, scheduler, scaler, device, world, net, compiled)
+
+
+def use_channels_last(choice: str | bool, model: nn.Module, device: torch.device) -> bool:
+    """trainer.channels_last: auto = for conv nets on CUDA, where NHWC convolutions are faster."""
+    if choice == "auto":
+        return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+    return bool(choice)
 
 
 def inject_nonfinite_grad(model: nn.Module, accum: int):
@@ -292,10 +304,13 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
             due = diag.due(step)
             acts = diag.watch_activation_gradients(scaler.scale) if due and diag.activations else None
             scale_before = scaler.scale
+            # steps that hook into layers run eagerly: a hook added to a compiled model recompiles it
+            hooked = step == first or injected is not None or acts is not None
+            net = c.compiled if c.compiled is not None and not hooked else c.net or model
             try:
                 with watch as seen, acts or contextlib.nullcontext():
                     result = optimizer_step(
-                        c.net or model,
+                        net,
                         micro,
                         c.optimizer,
                         c.scheduler,
