@@ -78,7 +78,7 @@ from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from halfprec.models import create_model  # noqa: E402
-from halfprec.precision import COMPUTE_TYPES, OptimizerParams, PrecisionPolicy  # noqa: E402
+from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute_dtypes  # noqa: E402
 from halfprec.step import optimizer_step  # noqa: E402
 from halfprec.train import Components, build, build_optimizer, build_scheduler  # noqa: E402
 
@@ -452,22 +452,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextlib.contextmanager
-def observed_compute_dtypes(model: nn.Module) -> Iterator[set[torch.dtype]]:
-    """The output dtypes of the Linear/Conv layers that run inside the block: what really computed."""
-    seen: set[torch.dtype] = set()
-    handles = [
-        m.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
-        for m in model.modules()
-        if isinstance(m, COMPUTE_TYPES)
-    ]
-    try:
-        yield seen
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -628,7 +612,7 @@ def measure(
     for loop in list(loops):  # warm-up; also where the compute dtype is observed
         c.policy.apply_backend_flags()  # TF32 is process-wide: every contender runs the row's setting
         try:
-            with observed_compute_dtypes(loop.model) as seen:
+            with observe_compute_dtypes(loop.model) as seen:
                 warmup_s[loop.name] = loop.run(args.warmup)
         except Exception as err:  # a framework that cannot run this mode here: report it, go on
             if loop.name in ("halfprec", "raw"):
