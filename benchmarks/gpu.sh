@@ -10,7 +10,7 @@
 # On a machine without a GPU it says so, writes SKIPPED.md and exits 0.
 #
 # An offline GPU machine whose Python lacks this project's pure-Python dependencies (hydra-core,
-# omegaconf, antlr4) can take them as wheels in .whl/ at the repo root; they are installed into
+# omegaconf, antlr4; torchao for precision=fp8) can take them as wheels in .whl/ at the repo root; they are installed into
 # a temp dir first. Make them here with: bash benchmarks/gpu.sh --wheels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 if [ "${1:-}" = "--wheels" ]; then
     # pure-Python wheels for the dependencies a bare CUDA image tends to lack (antlr4 ships no wheel: built here)
     mkdir -p .whl
-    "$PY" -m pip wheel --no-deps -q -w .whl "hydra-core>=1.3.2,<1.4" "omegaconf>=2.3,<2.4" "antlr4-python3-runtime==4.9.3"
+    "$PY" -m pip wheel --no-deps -q -w .whl "hydra-core>=1.3.2,<1.4" "omegaconf>=2.3,<2.4" "antlr4-python3-runtime==4.9.3" torchao
     ls .whl
     exit 0
 fi

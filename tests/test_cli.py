@@ -39,7 +39,7 @@ OPTIONS = [
     if f"{group.name}={option.stem}" not in ("trainer=ddp", "trainer=fsdp")  # need torchrun: test_distributed.py
 ]
 # Options that only work together with another choice.
-NEEDS = {"init=fixup": ["model=fixup_resnet"]}
+NEEDS = {"init=fixup": ["model=fixup_resnet"], "precision=fp8": ["precision.fp8_emulate=true"]}
 # Scaler options are only meaningful where the loss is scaled: run them in fp16.
 GROUP_CONTEXT = {"scaler": ["precision=fp16"]}
 # Small versions of each model (fp16 autocast on CPU is slow; timm's resnet18 is 11M parameters).
@@ -158,7 +158,11 @@ def runs(cli):
 # The same matrix from the command line: one multirun per group (or pair of small groups) sweeps
 # every option file with Hydra's glob(*), paying the imports once per process.
 OPTION_SWEEPS = {
-    "precision": ["precision=glob(*,exclude=tf32)" if NO_CUDA else "precision=glob(*)", "model.hidden=[16]"],
+    # tf32 needs CUDA and fp8 an fp8 GPU (it runs emulated in test_every_config_option_trains)
+    "precision": [
+        "precision=glob(*,exclude=[tf32,fp8])" if NO_CUDA else "precision=glob(*,exclude=fp8)",
+        "model.hidden=[16]",
+    ],
     "scaler": ["scaler=glob(*)", "precision=fp16", "model.hidden=[16]"],
     "init": ["init=glob(*,exclude=fixup)", "model=fixup_resnet", "model.blocks_per_stage=1"],  # fixup: PROMISED
     "model": ["model=glob(*)"],
@@ -344,11 +348,12 @@ BAD = {
     "init=fixup": (2, ["fixup", "model=fixup_resnet"]),
     "trainer.device=cuda": (2, ["trainer.device=cuda"]),
     "precision=tf32": (2, ["tf32", "CUDA"]),
+    "precision=fp8": (2, ["precision=fp8", "compute capability 8.9+", "fp8_emulate=true"]),
     "trainer.max_step=3": (1, ["trainer.max_step"]),  # Hydra's error
     "accum=abc": (None, ["accum=abc"]),
     "scaler=static scaler.scale=-1": (None, ["scaler.scale=-1"]),
 }
-NEEDS_NO_CUDA = {"trainer.device=cuda", "precision=tf32"}
+NEEDS_NO_CUDA = {"trainer.device=cuda", "precision=tf32", "precision=fp8"}
 
 
 @pytest.fixture(scope="module")

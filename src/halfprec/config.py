@@ -20,7 +20,7 @@ OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=Tr
 
 PRECISIONS = (
     "fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "bf16_pure_kahan", "bf16_pure_stochastic",
-    "bf16_pure_master", "O0", "O1", "O2", "O3",
+    "bf16_pure_master", "fp8", "O0", "O1", "O2", "O3",
 )  # fmt: skip
 SCALERS = ("auto", "none", "static", "dynamic")
 INITS = ("default", "kaiming", "xavier", "fixup")
@@ -51,7 +51,8 @@ TOP_KEYS = (
 DIAGNOSTICS_KEYS = ("every", "activations", "skips")
 OBJECTIVES = ("val/acc", "val/loss", "train/loss")
 PRECISION_KEYS = (
-    "name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32", "reduce_dtype"
+    "name", "autocast", "param_dtype", "master_weights", "update", "keep_norm_fp32", "tf32", "reduce_dtype", "fp8",
+    "fp8_emulate"
 )  # fmt: skip
 SCALER_KEYS = {
     "none": ("kind", "max_consecutive_skips"),
@@ -163,6 +164,12 @@ def validate(cfg: DictConfig) -> None:
             "precision.update", update, f"stochastic rounding is implemented for bfloat16 weights, not {param_dtype}"
         )
     reduce_dtype = _one_of(cfg, "precision.reduce_dtype", DTYPE_NAMES)
+    fp8 = _one_of(cfg, "precision.fp8", (None, "tensorwise", "rowwise"), " (torchao float8 recipes; null = off)")
+    _need(cfg, "precision.fp8_emulate", lambda v: isinstance(v, bool), "must be true or false")
+    if fp8 and (cfg.precision.autocast != "bfloat16" or param_dtype != "float32"):
+        raise ConfigError(
+            "precision.fp8", fp8, "float8 Linear layers run inside bf16 autocast on fp32 weights: use precision=fp8"
+        )
 
     # scaler
     kind = _one_of(cfg, "scaler.kind", SCALERS)
@@ -369,7 +376,29 @@ def resolve_device(cfg: DictConfig):
         raise ConfigError(
             "precision", p.name, "TF32 is a CUDA (Ampere+) matmul mode; on CPU it would silently be fp32: use fp32"
         )
+    if p.fp8:
+        _check_fp8(p, device)
     uses_bf16 = "bfloat16" in (p.autocast, p.param_dtype)
     if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision", p.name, "this GPU has no bfloat16 support; use fp16 or fp16_pure")
     return device
+
+
+def _check_fp8(p: DictConfig, device) -> None:
+    """float8 matmuls need torchao and, unless emulated, fp8 tensor cores: say which is missing."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("precision", p.name, 'needs torchao: pip install -e ".[fp8]"')
+    if p.fp8_emulate:
+        return
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+        raise ConfigError(
+            "precision",
+            p.name,
+            f"float8 matmuls need a CUDA GPU of compute capability 8.9+ (H100, H200, L4, RTX 4090); this is {where}: "
+            "use precision=bf16, or precision.fp8_emulate=true to check the numerics (slowly)",
+        )

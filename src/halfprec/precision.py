@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from halfprec.config import ConfigError
 from halfprec.errors import PrecisionMismatch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,6 +32,9 @@ class PrecisionPolicy:
     tf32: bool
     device_type: str = "cpu"
     reduce_dtype: torch.dtype = torch.float32  # trainer=fsdp: dtype gradients are reduce-scattered in
+    fp8: str | None = None  # torchao float8 recipe for Linear layers: tensorwise | rowwise
+    fp8_emulate: bool = False
+    fp8_layers: list[str] = field(default_factory=list)  # the Linear layers apply_fp8 converted
 
     @classmethod
     def from_config(cls, cfg, device_type: str) -> PrecisionPolicy:
@@ -44,6 +48,8 @@ class PrecisionPolicy:
             tf32=bool(cfg.tf32),
             device_type=device_type,
             reduce_dtype=DTYPES[cfg.reduce_dtype],
+            fp8=cfg.fp8,
+            fp8_emulate=bool(cfg.fp8_emulate),
         )
 
     @property
@@ -89,6 +95,27 @@ class PrecisionPolicy:
                     kept.append(module)
         return kept
 
+    def apply_fp8(self, model: nn.Module) -> list[str]:
+        """precision=fp8: swap every Linear whose in and out features are multiples of 16 (what
+        float8 matmuls need) for torchao's Float8Linear; return their names. Before any wrapping
+        (DDP, FSDP2, torch.compile), as torchao asks."""
+        if not self.fp8:
+            return []
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        def eligible(module: nn.Module, name: str) -> bool:
+            return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+        self.fp8_layers = [name for name, m in model.named_modules() if eligible(m, name)]
+        if not self.fp8_layers:
+            raise ConfigError(
+                "precision", self.name, "no Linear layer of this model has in and out features divisible by 16, "
+                "so none can compute in float8: widen the model or use precision=bf16",
+            )  # fmt: skip
+        config = replace(Float8LinearConfig.from_recipe_name(self.fp8), emulate=self.fp8_emulate)
+        convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+        return self.fp8_layers
+
     def check(self, model: nn.Module, observed: set[torch.dtype], master: list[torch.Tensor]) -> dict:
         """Compare what the first step really did against the policy; raise on a mismatch."""
         expected = self.compute_dtype
@@ -107,11 +134,17 @@ class PrecisionPolicy:
         master_dtypes = {t.dtype for t in master}
         if self.master_weights and master_dtypes != {torch.float32}:
             raise PrecisionMismatch(f"precision={self.name}: master weights are not fp32")
-        return {
+        dtypes = {
             "precision/compute_dtype": _name(expected),
             "precision/param_dtype": _name(self.param_dtype),
             "precision/master_dtype": "float32" if self.master_weights or not self.is_pure else "none",
         }
+        if self.fp8:  # the layers still Float8Linear at the first step: nothing swapped them back
+            converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+            if sorted(converted) != sorted(self.fp8_layers):
+                raise PrecisionMismatch(f"precision={self.name}: float8 layers {converted}, expected {self.fp8_layers}")
+            dtypes["precision/fp8_layers"] = len(converted)
+        return dtypes
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,0 +1,52 @@
+"""precision=fp8: torchao's float8 Linear layers inside bf16 autocast, checked in emulation on the
+CPU (tests/test_gpu.py runs them for real on an fp8 GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from halfprec.config import ConfigError, resolve_device, validate
+from halfprec.train import build, run
+
+from helpers import compose_cfg
+
+EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_fp8_trains_like_bf16(recipe, tmp_path):
+    steps = ["trainer.max_steps=150", "trainer.log_every=50", "trainer.val_every=0"]
+    fp8 = run(compose_cfg(*EMULATED, f"precision.fp8={recipe}", *steps), tmp_path / "fp8")
+    bf16 = run(compose_cfg("precision=bf16", *steps), tmp_path / "bf16")
+    # the two hidden Linear layers (64->256, 256->256) compute in float8; the 256->10 classifier cannot
+    assert fp8["precision/fp8_layers"] == 2 and fp8["precision/compute_dtype"] == "bfloat16"
+    assert fp8["train/loss"] == pytest.approx(bf16["train/loss"], abs=0.05)
+    assert fp8["val/acc"] > 0.9 and abs(fp8["val/acc"] - bf16["val/acc"]) < 0.03
+
+
+def test_fp8_layers_are_torchao_float8_linear():
+    c = build(compose_cfg(*EMULATED))
+    kinds = {name: type(m).__name__ for name, m in c.model.named_children()}
+    assert kinds == {"0": "Flatten", "1": "Float8Linear", "2": "ReLU", "3": "Float8Linear", "4": "ReLU", "5": "Linear"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["precision=fp8"], "float8 matmuls need a CUDA GPU of compute capability 8.9+"),
+        (["precision=fp16", "precision.fp8=rowwise"], "precision.fp8=rowwise: float8 Linear layers run inside bf16"),
+        ([*EMULATED, "model.hidden=[10]"], "no Linear layer of this model has in and out features divisible by 16"),
+        (["precision.fp8=blockwise"], "precision.fp8=blockwise: must be one of null, tensorwise, rowwise"),
+    ],
+)
+def test_fp8_config_errors(overrides, message):
+    import torch
+
+    if overrides == ["precision=fp8"] and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this GPU has fp8 tensor cores")
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+        resolve_device(cfg)
+        build(cfg)
+    assert message in str(info.value)
