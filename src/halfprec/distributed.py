@@ -9,13 +9,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from halfprec.precision import PrecisionPolicy
+if TYPE_CHECKING:  # precision.py uses `full` from here
+    from halfprec.precision import PrecisionPolicy
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from halfprec.config import ConfigError
+from halfprec.distributed import full
 from halfprec.errors import PrecisionMismatch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -255,8 +256,7 @@ class OptimizerParams:
         (model order reversed), whose unscaled gradient is inf/NaN. An overflow flows back into
         every earlier layer, so the first in model order would nearly always be the input layer."""
         for name, p in reversed(self.named()):
-            # FSDP: a DTensor's shards live on different ranks; gather so that all ranks agree
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grad = None if p.grad is None else full(p.grad)  # FSDP: gathered, so all ranks agree
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 return name
         return None
