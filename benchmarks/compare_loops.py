@@ -57,6 +57,7 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.metadata  # noqa: E402
+import inspect  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -84,6 +85,7 @@ from halfprec.train import Components, build, build_optimizer, build_scheduler  
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CONTENDERS = ("halfprec", "raw", "lightning", "accelerate")
+FRAMEWORKS = CONTENDERS[2:]
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]  # parameters in model order
 
 
@@ -129,7 +131,7 @@ WORKLOADS = {
     ),
 }
 DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
-DEFAULT_PRECISIONS = {"cpu": ["fp32"], "cuda": ["fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure"]}
+DEFAULT_PRECISIONS = {"cpu": ["fp32"], "cuda": ["fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "fp8"]}
 # (seconds per timed block, blocks per contender, warm-up steps). Steps per block follow from the raw
 # loop's step time, so a 0.5 ms MLP and a 100 ms ResNet get blocks of about the same length.
 DEFAULT_SCHEDULE = {"cpu": (1.0, 11, 5), "cuda": (0.75, 3, 3), "quick": (0.2, 3, 3)}
@@ -207,15 +209,27 @@ class HalfprecLoop(Loop):
 
     name = "halfprec"
 
-    def __init__(self, c: Components, clip: float | None, batches: list, device: torch.device):
+    def __init__(self, c: Components, clip: float | None, log_every: int, batches: list, device: torch.device):
         super().__init__(batches, device)
-        self.c, self.clip = c, clip
+        self.c, self.clip, self.log_every = c, clip, log_every
+        # halfprec versions before `compute_norm` computed the norm every step (for A/B runs against them)
+        self.asks_for_norm = "compute_norm" in inspect.signature(optimizer_step).parameters
         self.model, self.optimizer = c.model, c.optimizer
 
     def step(self) -> None:
         c = self.c
+        # train.py computes the grad norm on the steps that log it (every trainer.log_every) only
+        norm = {"compute_norm": self.steps_taken % self.log_every == 0} if self.asks_for_norm else {}
         result = optimizer_step(
-            c.net or c.model, [self.next_batch()], c.optimizer, c.scheduler, c.scaler, c.policy, c.params, self.clip
+            c.net or c.model,
+            [self.next_batch()],
+            c.optimizer,
+            c.scheduler,
+            c.scaler,
+            c.policy,
+            c.params,
+            self.clip,
+            **norm,
         )
         self.last_loss = result.loss
 
@@ -226,7 +240,8 @@ class HalfprecLoop(Loop):
 class RawLoop(Loop):
     """The loop one writes by hand (nanoGPT style). Pure fp16: fp32 master weights that the
     optimizer and GradScaler work on (GradScaler refuses fp16 grads); pure bf16: the optimizer
-    steps the bf16 weights directly (so its state is bf16 too; halfprec's update math is fp32)."""
+    steps the bf16 weights directly (so its state is bf16 too; halfprec's update math is fp32);
+    fp8: its copy of halfprec's model keeps the torchao Float8Linear layers, in bf16 autocast."""
 
     name = "raw"
 
@@ -249,6 +264,8 @@ class RawLoop(Loop):
             self.note = "fp32 master weights"
         elif policy.is_pure:
             self.note = f"optimizer steps the {dtype_name(policy.param_dtype)} weights directly"
+        elif policy.fp8:  # the deep copy of halfprec's model carries its torchao Float8Linear layers
+            self.note = f"torchao float8 {policy.fp8} layers, bf16 autocast"
         self.params = self.master or list(model.parameters())  # what the optimizer steps
         self.optimizer = new_optimizer(self.params)
         self.scheduler = constant_schedule(self.optimizer)
@@ -511,6 +528,8 @@ def compose_cfg(work: Workload, precision: str, device: torch.device, clip: floa
     ]
     if clip is not None:
         overrides.append(f"optim.clip_grad_norm={clip}")
+    if precision == "fp8" and device.type == "cpu":  # no fp8 tensor cores: torchao's emulation, to try the path
+        overrides.append("precision.fp8_emulate=true")
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", overrides=overrides)
 
@@ -564,7 +583,11 @@ class Result:
 
 
 def make_loops(
-    work: Workload, precision: str, device: torch.device, clip: float | None
+    work: Workload,
+    precision: str,
+    device: torch.device,
+    clip: float | None,
+    frameworks: Iterable[str] = FRAMEWORKS,
 ) -> tuple[list[Loop], dict[str, str], Components, DictConfig]:
     """Build halfprec's components, then each other contender from a deep copy of the same model."""
     cfg = compose_cfg(work, precision, device, clip)
@@ -581,17 +604,19 @@ def make_loops(
     initial = copy.deepcopy(c.model)  # before any step: every contender starts from these weights
     new_optimizer = optimizer_like(c)
     loops: list[Loop] = [
-        HalfprecLoop(c, clip, batches, device),
+        HalfprecLoop(c, clip, cfg.trainer.log_every, batches, device),
         RawLoop(copy.deepcopy(initial), new_optimizer, c.policy, clip, batches, device),
     ]
     skipped: dict[str, str] = {}
-    frameworks = [
+    contenders = [
         ("lightning", LIGHTNING_PRECISION, LightningLoop),
         ("accelerate", ACCELERATE_PRECISION, AccelerateLoop),
     ]
-    for name, spelling, make in frameworks:
+    for name, spelling, make in contenders:
+        if name not in frameworks:
+            continue
         if precision not in spelling:
-            skipped[name] = "no pure low-precision mode"
+            skipped[name] = "fp8 not set up for it" if precision == "fp8" else "no pure low-precision mode"
             continue
         try:
             loops.append(make(copy.deepcopy(initial), new_optimizer, spelling[precision], clip, batches, device))
@@ -604,7 +629,7 @@ def measure(
     work: Workload, precision: str, device: torch.device, args: argparse.Namespace, flops: float | None
 ) -> list[Result]:
     """Warm up every contender, time interleaved blocks, and compare them with raw."""
-    loops, skipped, c, _ = make_loops(work, precision, device, args.clip_grad_norm)
+    loops, skipped, c, _ = make_loops(work, precision, device, args.clip_grad_norm, args.frameworks)
     asked = dtype_name(c.policy.compute_dtype)
     results = {loop.name: Result(work.label, precision, loop.name, asked, note=loop.note) for loop in loops}
 
@@ -775,6 +800,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--precisions", default=None, help="comma-separated halfprec precision options")
     parser.add_argument("--clip-grad-norm", type=float, default=None, help="clip every contender's gradients")
+    parser.add_argument(
+        "--frameworks",
+        type=lambda s: [] if s == "none" else s.split(","),
+        default=list(FRAMEWORKS),
+        help="framework contenders besides halfprec and raw: lightning,accelerate (default) or none",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: mlp-small, few steps (< 1 min on CPU)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
@@ -799,6 +830,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.models if m not in WORKLOADS]
     if unknown:
         parser.error(f"--models {','.join(unknown)}: unknown; choose from {', '.join(WORKLOADS)}")
+    unknown = [f for f in args.frameworks if f not in FRAMEWORKS]
+    if unknown:
+        parser.error(f"--frameworks {','.join(unknown)}: unknown; choose from {', '.join(FRAMEWORKS)}, or none")
     return args
 
 

@@ -28,8 +28,10 @@ def build_from(*overrides: str) -> tuple[Components, object]:
     return build(cfg), cfg
 
 
-def step(c: Components, micro, clip=None):
-    return optimizer_step(c.model, micro, c.optimizer, c.scheduler, c.scaler, c.policy, c.params, clip)
+def step(c: Components, micro, clip=None, compute_norm=True):
+    return optimizer_step(
+        c.model, micro, c.optimizer, c.scheduler, c.scaler, c.policy, c.params, clip, compute_norm=compute_norm
+    )
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

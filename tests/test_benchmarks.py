@@ -36,3 +36,20 @@ def test_compare_loops_quick(tmp_path):
     assert halfprec["steps"] == raw["steps"]
     assert halfprec["max_param_diff_vs_raw"] <= 1e-5
     assert halfprec["final_loss"] == pytest.approx(raw["final_loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compare_loops_fp8_against_the_raw_loop(tmp_path):
+    """fp8 (torchao's emulation on a CPU): the raw loop trains the same Float8Linear layers and ends at
+    halfprec's weights; --frameworks none leaves Lightning and Accelerate out of the run."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--precisions", "fp8", "--frameworks", "none"]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"halfprec", "raw"}
+    assert rows["raw"]["note"].startswith("torchao float8 tensorwise")
+    assert all(r["computed_dtype"] == "bfloat16" for r in rows.values())
+    assert rows["halfprec"]["steps"] == rows["raw"]["steps"]
+    assert rows["halfprec"]["max_param_diff_vs_raw"] <= 1e-5

@@ -45,9 +45,11 @@ def test_torchrun_on_cuda_with_nccl(trainer, precision, tmp_path):
     assert summary["val/acc"] > 0.9
 
 
+@pytest.mark.parametrize("compute_norm", [True, False], ids=["norm", "fused-check"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16_pure_master"])
-def test_the_step_syncs_the_host_once(precision):
-    # the skip decision needs one device-to-host read per optimizer step; nothing else may wait on the GPU
+def test_the_step_syncs_the_host_once(precision, compute_norm):
+    # the skip decision needs one device-to-host read per optimizer step; nothing else may wait on
+    # the GPU, whether the step computes the grad norm (logged steps) or the fused check (the others)
     c, _ = build_from(f"precision={precision}", "trainer.device=cuda", "accum=2")
     micro = [tuple(t.cuda() for t in batch(64, seed=i)) for i in range(2)]
     for _ in range(3):  # warm-up: lazy inits (cuBLAS handles, optimizer state) may sync once
@@ -58,7 +60,7 @@ def test_the_step_syncs_the_host_once(precision):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(10):
-                step(c, micro)
+                step(c, micro, compute_norm=compute_norm)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]

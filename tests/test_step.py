@@ -27,8 +27,10 @@ def test_accumulation_equals_big_batch(optim):
     torch.testing.assert_close(flat_params(small.model), flat_params(big.model), rtol=0, atol=1e-6)
 
 
-def test_injected_inf_skips_exactly_that_step():
-    """An inf in one micro-batch: no parameter, optimizer-state or LR change; scale backed off."""
+@pytest.mark.parametrize("compute_norm", [True, False], ids=["norm", "fused-check"])
+def test_injected_inf_skips_exactly_that_step(compute_norm):
+    """An inf in one micro-batch: no parameter, optimizer-state or LR change; scale backed off.
+    Both skip checks: the norm's (logged steps) and the fused one (the other steps)."""
     c, _ = build_from("precision=fp16", "accum=3", "data.batch_size=8", "model.hidden=[16]", "sched=cosine")
     for s in range(2):
         x, y = batch(24, seed=s)
@@ -42,7 +44,7 @@ def test_injected_inf_skips_exactly_that_step():
     x, y = batch(24, seed=7)
     bad = x[16:].clone()
     bad[0, 0, 0, 0] = float("inf")
-    result = step(c, [(x[:8], y[:8]), (x[8:16], y[8:16]), (bad, y[16:])])
+    result = step(c, [(x[:8], y[:8]), (x[8:16], y[8:16]), (bad, y[16:])], compute_norm=compute_norm)
 
     assert result.skipped
     assert torch.equal(flat_params(c.model), params)
@@ -129,3 +131,35 @@ def test_loss_weight_with_inverse_lr_leaves_fp32_sgd_unchanged():
         )  # fmt: skip
     torch.testing.assert_close(flat_params(weighted.model), flat_params(plain.model), rtol=1e-5, atol=1e-6)
     assert r.grad_norm < 1e-4  # the norm of the weighted gradients, which is what underflows in fp16
+
+
+def test_steps_without_the_norm_do_the_same_math():
+    """compute_norm=False (the steps the loop does not log) changes nothing but the missing norm;
+    clipping computes it anyway."""
+    common = ["precision=fp16", "model.hidden=[32]", "optim=adamw", "sched=cosine"]
+    with_norm, _ = build_from(*common)
+    without, _ = build_from(*common)
+    for s in range(4):
+        micro = [batch(16, seed=s)]
+        a, b = step(with_norm, micro), step(without, micro, compute_norm=False)
+        assert a.grad_norm is not None and b.grad_norm is None and not a.skipped and not b.skipped
+    torch.testing.assert_close(flat_params(without.model), flat_params(with_norm.model), rtol=0, atol=0)
+    assert without.scaler.state_dict() == with_norm.scaler.state_dict()
+    clipped = step(without, [batch(16, seed=9)], clip=0.1, compute_norm=False)
+    assert clipped.grad_norm is not None and clipped.grad_norm > 0
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_fused_nonfinite_check(bad):
+    """One device and dtype: torch's fused check; mixed dtypes: the norm. Both find any inf/NaN."""
+    from halfprec.step import any_nonfinite
+
+    uniform = [torch.randn(5, 3), torch.randn(7)]
+    mixed = [torch.randn(5, 3), torch.randn(7, dtype=torch.bfloat16)]
+    for grads in (uniform, mixed):
+        before = [g.clone() for g in grads]
+        if bad is not None:
+            grads[1][3] = bad
+        assert bool(any_nonfinite(grads)) == (bad is not None)
+        if bad is None:  # nothing rescaled: the check multiplies by exactly 1
+            assert all(torch.equal(g, b) for g, b in zip(grads, before))

@@ -145,10 +145,16 @@ def nonfinite_on_any_rank(value: torch.Tensor) -> bool:
     """True on every rank if `value` (a scalar) is inf/NaN on any: ranks must agree on skipping a
     step. Reduced on the value's device before the one host read, so DDP adds no second sync."""
     if dist.is_initialized():
-        flag = (~torch.isfinite(value)).float()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)
+        return any_rank(~torch.isfinite(value))
     return not math.isfinite(value.item())
+
+
+def any_rank(flag: torch.Tensor) -> bool:
+    """True on every rank if the device scalar `flag` is nonzero on any; one host read."""
+    if dist.is_initialized():
+        flag = flag.float()  # isfinite gives a bool tensor; reduce a float with MAX
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag)
 
 
 def any_rank_on_host(world: World, flag: bool) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halfprec.distributed import full, grad_sync, nonfinite_on_any_rank
+from halfprec.distributed import any_rank, full, grad_sync, nonfinite_on_any_rank
 from halfprec.precision import OptimizerParams, PrecisionPolicy
 from halfprec.scaling import LossScaler, TrainingAborted
 
@@ -17,7 +17,7 @@ from halfprec.scaling import LossScaler, TrainingAborted
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean unscaled loss over the window; stays on the device (no sync)
-    grad_norm: torch.Tensor  # true (unscaled) norm, before clipping
+    grad_norm: torch.Tensor | None  # true (unscaled) norm, before clipping; None when not asked for
     skipped: bool
     culprit: str | None = None  # on a skipped step: where the inf/NaN gradients start (backward order)
 
@@ -34,8 +34,11 @@ def optimizer_step(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     loss_weight: float = 1.0,
     inspect: Callable[[OptimizerParams], None] | None = None,
+    compute_norm: bool = True,
 ) -> StepResult:
-    """Run one optimizer step over `len(micro_batches)` accumulated micro-batches."""
+    """Run one optimizer step over `len(micro_batches)` accumulated micro-batches. `compute_norm=False`
+    leaves out the gradient norm (`grad_norm` is None) unless clipping needs it: the training loop
+    asks for it on the steps that log it."""
     k = len(micro_batches)
     # Dropping the grads before the first backward rather than after the step: same numerics,
     # and on CPU it measured 25% faster (fewer large frees and re-mmaps per step).
@@ -58,11 +61,17 @@ def optimizer_step(
     if inspect is not None:  # diagnostics steps: look at the true gradients before clipping
         inspect(params)
 
-    # 3. one inf/NaN check: the total norm is finite iff every gradient is; one host sync
-    # (under DDP/FSDP, reduced over ranks so that all of them skip together; FSDP's grads are
-    # shards, so their norm is a DTensor: `full` makes it the global norm on every rank)
-    grad_norm = full(total_norm(grads)) if grads else torch.zeros(())
-    found_inf = nonfinite_on_any_rank(grad_norm)
+    # 3. one inf/NaN check for the whole window, and one host sync (under DDP/FSDP reduced over
+    # ranks, so that all of them skip together). The norm is finite iff every gradient is, so when
+    # the norm is wanted (clipping, a logged step) it is the check; FSDP's grads are shards and
+    # their norm a DTensor: `full` makes it the global norm on every rank. Otherwise torch's fused
+    # AMP check, which computes no norm, is cheaper (27 vs 67 us of a 1.1 ms CPU step, measured).
+    if compute_norm or clip_grad_norm is not None or not grads:
+        grad_norm = full(total_norm(grads)) if grads else torch.zeros(())
+        found_inf = nonfinite_on_any_rank(grad_norm)
+    else:
+        grad_norm = None
+        found_inf = any_rank(any_nonfinite(grads))
     culprit = params.first_nonfinite() if found_inf else None  # overflow steps only: rare
 
     # 4. clip the unscaled gradients, then step; 5. unless the window overflowed: then
@@ -91,3 +100,16 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if all(g.device == first.device and g.dtype == first.dtype for g in grads):
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     return torch.nn.utils.get_total_norm(grads)
+
+
+def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any gradient holds an inf/NaN, else 0.0, on the gradients' device, without a host read.
+    torch's fused AMP check reads each gradient once; it also multiplies by the inverse scale, which
+    is 1 here (`params.unscale_` has already unscaled). FSDP: each rank checks its own shards."""
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    first = local[0]
+    if not all(g.device == first.device and g.dtype == first.dtype for g in local):
+        return ~torch.isfinite(torch.nn.utils.get_total_norm(local))
+    found = torch.zeros(1, device=first.device)
+    torch._amp_foreach_non_finite_check_and_unscale_(local, found, torch.ones(1, device=first.device))
+    return found

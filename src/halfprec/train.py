@@ -72,15 +72,17 @@ def build_optimizer(cfg: DictConfig, params: OptimizerParams, model: nn.Module) 
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup, total = cfg.sched.warmup_steps, cfg.trainer.max_steps
+    # Plain floats, read once: LambdaLR calls `factor` every step, and each DictConfig lookup costs
+    # ~10 us (measured: the lookups were a tenth of a 1 ms MLP step).
+    warmup, total, name = cfg.sched.warmup_steps, cfg.trainer.max_steps, cfg.sched.name
+    low = cfg.sched.get("min_lr_ratio", 0.0)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if cfg.sched.name == "constant":
+        if name == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        low = cfg.sched.min_lr_ratio
         return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -305,6 +307,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
             due = diag.due(step)
             acts = diag.watch_activation_gradients(scaler.scale) if due and diag.activations else None
             scale_before = scaler.scale
+            log_due = step == 1 or step % t.log_every == 0 or step == t.max_steps
             # steps that hook into layers run eagerly: a hook added to a compiled model recompiles it
             hooked = step == first or injected is not None or acts is not None
             net = c.compiled if c.compiled is not None and not hooked else c.net or model
@@ -321,6 +324,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                         cfg.optim.clip_grad_norm,
                         loss_weight=t.loss_weight,
                         inspect=diag.inspect_gradients if due else None,
+                        compute_norm=log_due,  # the grad norm is logged on these steps only
                     )
             except TrainingAborted as err:
                 raise crash(err, err.culprit) from None
@@ -351,7 +355,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                 loop.clean_loss_sum = result.loss + loop.clean_loss_sum
                 loop.clean_steps += 1
 
-            if step == 1 or step % t.log_every == 0 or step == t.max_steps:
+            if log_due:
                 now = time.perf_counter()
                 n = step - loop.last_row_step
                 loss = loop.clean_loss_sum / loop.clean_steps if loop.clean_steps else result.loss
