@@ -78,6 +78,7 @@ from omegaconf import DictConfig  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from halfprec.config import ConfigError  # noqa: E402
 from halfprec.models import create_model  # noqa: E402
 from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute_dtypes  # noqa: E402
 from halfprec.step import optimizer_step  # noqa: E402
@@ -823,17 +824,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 1:
         parser.error("--warmup: at least 1 (the warm-up also observes the compute dtype and sizes the blocks)")
     quick_precisions = ["fp32"] if args.device == "cpu" else ["fp32", "bf16", "fp16"]
-    default_models = ["mlp-small"] if args.quick else DEFAULT_MODELS[args.device]
     default_precisions = quick_precisions if args.quick else DEFAULT_PRECISIONS[args.device]
-    args.models = args.models.split(",") if args.models else default_models
-    args.precisions = args.precisions.split(",") if args.precisions else default_precisions
-    unknown = [m for m in args.models if m not in WORKLOADS]
-    if unknown:
-        parser.error(f"--models {','.join(unknown)}: unknown; choose from {', '.join(WORKLOADS)}")
+    choose_rows(parser, args, DEFAULT_MODELS[args.device], default_precisions)
     unknown = [f for f in args.frameworks if f not in FRAMEWORKS]
     if unknown:
         parser.error(f"--frameworks {','.join(unknown)}: unknown; choose from {', '.join(FRAMEWORKS)}, or none")
     return args
+
+
+def choose_rows(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, models: list[str], precisions: list[str]
+) -> None:
+    """--models and --precisions as lists (the defaults given where absent; --quick: mlp-small);
+    an unknown model is a usage error. The other benchmark scripts share it."""
+    args.models = args.models.split(",") if args.models else (["mlp-small"] if args.quick else models)
+    args.precisions = args.precisions.split(",") if args.precisions else precisions
+    unknown = [m for m in args.models if m not in WORKLOADS]
+    if unknown:
+        parser.error(f"--models {','.join(unknown)}: unknown; choose from {', '.join(WORKLOADS)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -857,7 +865,12 @@ def main(argv: list[str] | None = None) -> None:
         flops = flops_per_image(compose_cfg(work, "fp32", device, None).model, work, device)
         for precision in args.precisions:
             start = time.perf_counter()
-            rows += measure(work, precision, device, args, flops)
+            try:
+                rows += measure(work, precision, device, args, flops)
+            except ConfigError as err:  # a mode this model cannot run (fp8 on resnet50: no eligible Linear)
+                rows.append(Result(work.label, precision, "halfprec", "-", note=f"not run: {err}"))
+                print(f"{work.label}, {precision}: not run: {err}", file=sys.stderr, flush=True)
+                continue
             print(f"{work.label}, {precision}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             write_outputs(args, env, rows)  # after every row: a run cut short by a timeout keeps what it measured
         if device.type == "cuda":

@@ -53,3 +53,16 @@ def test_compare_loops_fp8_against_the_raw_loop(tmp_path):
     assert all(r["computed_dtype"] == "bfloat16" for r in rows.values())
     assert rows["halfprec"]["steps"] == rows["raw"]["steps"]
     assert rows["halfprec"]["max_param_diff_vs_raw"] <= 1e-5
+
+
+def test_gpu_script_skips_cleanly_without_a_gpu(tmp_path):
+    """benchmarks/gpu.sh on a machine without CUDA: exit 0, and it says so in its output directory."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: gpu.sh would run the real thing")
+    script = SCRIPT.parent / "gpu.sh"
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no CUDA GPU visible here" in (tmp_path / "out" / "SKIPPED.md").read_text()
+    assert "skipped" in proc.stdout

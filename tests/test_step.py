@@ -163,3 +163,29 @@ def test_fused_nonfinite_check(bad):
         assert bool(any_nonfinite(grads)) == (bad is not None)
         if bad is None:  # nothing rescaled: the check multiplies by exactly 1
             assert all(torch.equal(g, b) for g, b in zip(grads, before))
+
+
+@pytest.mark.parametrize("compute_norm", [True, False], ids=["norm", "fused-check"])
+def test_skip_rule_does_not_depend_on_logging(compute_norm):
+    """Skip iff a gradient holds inf/NaN (GradScaler's rule), on logged steps and the others alike:
+    finite gradients whose sum of squares overflows fp32 step, and their logged norm is inf. With
+    clipping, which needs a finite norm, that step is skipped on every step."""
+    common = ["precision=fp32", "model.hidden=[32]", "sched=constant"]
+    c, _ = build_from(*common)
+    before = flat_params(c.model)
+    huge = 1e30  # gradients of ~1e29: finite in fp32, their squares are not
+    micro = [batch(16, seed=0)]
+    result = optimizer_step(
+        c.model, micro, c.optimizer, c.scheduler, c.scaler, c.policy, c.params, loss_weight=huge,
+        compute_norm=compute_norm,
+    )  # fmt: skip
+    assert not result.skipped and torch.isfinite(flat_params(c.model)).all()
+    assert not torch.equal(flat_params(c.model), before)
+    if compute_norm:
+        assert result.grad_norm.isinf()
+    clipped, _ = build_from(*common)
+    result = optimizer_step(
+        clipped.model, micro, clipped.optimizer, clipped.scheduler, clipped.scaler, clipped.policy,
+        clipped.params, clip_grad_norm=1.0, loss_weight=huge, compute_norm=compute_norm,
+    )  # fmt: skip
+    assert result.skipped and clipped.scaler.skipped_steps == 1

@@ -187,7 +187,8 @@ def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """
     bits = x.float().contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+    # in place on the noise: one int32 temporary of the weight's size, not three
+    return noise.add_(bits).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
 
 
 class OptimizerParams:
@@ -286,10 +287,13 @@ class OptimizerParams:
                     p.data = stochastic_round_to_bf16(p.data)
                 elif self.kahan is not None:
                     # Kahan summation: add the update minus the error carried from last time,
-                    # then remember what this rounding dropped.
-                    y = (p.data - before.float()) - self.kahan[i].float()
-                    rounded = (before.float() + y).to(before.dtype)
-                    self.kahan[i].copy_((rounded.float() - before.float()) - y)
+                    # then remember what this rounding dropped. In place on the fp32 upcast, which
+                    # is dropped after: two fp32 temporaries of the weight instead of four at once.
+                    start = before.float()
+                    y = p.data.sub_(start).sub_(self.kahan[i])  # the update, less the carried error
+                    total = start + y
+                    rounded = total.to(before.dtype)
+                    self.kahan[i].copy_(total.copy_(rounded).sub_(start).sub_(y))  # what rounding dropped
                     p.data = rounded
                 else:
                     p.data = p.data.to(before.dtype)

@@ -1,0 +1,284 @@
+"""Peak memory of halfprec's training step per precision mode, against halfprec.memory's estimate.
+
+    python benchmarks/memory.py [--device cpu|cuda] [--models mlp-small,...] [--precisions fp32,bf16,...]
+                                [--steps N] [--override KEY=VALUE ...] [--quick] [--json OUT.json]
+                                [--markdown OUT.md]
+
+See benchmarks/README.md for what is measured how, and measured tables.
+
+For each (model, precision mode): `halfprec.train.build(cfg)` builds the components, then --steps (3)
+`halfprec.step.optimizer_step`s run on fresh synthetic batches of the workload's size (the workloads
+of compare_loops.py), one batch alive at a time. Measured is the peak of allocated memory over the
+build and the steps, above what was allocated before the build:
+
+  cuda  torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus memory_allocated()
+        before the build (the previous row's tensors freed and the caching allocator emptied first)
+  cpu   the CPU allocator has no such counters: torch.profiler with profile_memory=True records every
+        allocation and free, and the peak of their running sum in time order is the peak; the synthetic
+        dataset build() makes (the steps never read it) is subtracted
+
+Estimated is `halfprec.memory.estimate_memory` on the built components and the last batch: parameters,
+buffers, gradients, master weights and gradients, optimizer state, Kahan buffers, the batch, and the
+activations autograd saves in one forward. The table shows each part, their sum, the measured peak and
+measured / estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from compare_loops import WORKLOADS, Workload, choose_rows, compose_cfg, cpu_model_name, synthetic_batches
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from halfprec.config import ConfigError
+from halfprec.memory import MB, estimate_memory
+from halfprec.step import optimizer_step
+from halfprec.train import Components, build
+
+DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
+# fp16 autocast on a CPU runs ~6x slower than bf16 (compare_loops): the CPU defaults leave it out
+DEFAULT_PRECISIONS = {
+    "cpu": ["fp32", "bf16", "bf16_pure", "bf16_pure_master"],
+    "cuda": ["fp32", "tf32", "fp16", "bf16", "fp16_pure", "bf16_pure", "bf16_pure_master", "fp8"],
+}
+QUICK_PRECISIONS = ["fp32", "bf16", "bf16_pure_kahan", "bf16_pure_master"]  # every part of the estimate nonzero
+PARTS = {  # MemoryEstimate field: column header
+    "params": "params",
+    "buffers": "buffers",
+    "grads": "grads",
+    "master_weights": "master w",
+    "master_grads": "master g",
+    "optimizer_state": "optim state",
+    "compensation": "kahan",
+    "inputs": "batch",
+    "activations": "activations",
+}
+T = TypeVar("T")
+
+
+@dataclass
+class Row:
+    model: str
+    precision: str
+    mode: str  # how the optimizer reaches the weights: fp32 | master | lowp (halfprec.precision.OptimizerParams)
+    batch_size: int
+    estimate_mb: dict[str, float]  # every part of the estimate, and "total"
+    measured_mb: float
+    ratio: float  # measured / estimated total
+    dataset_mb: float  # CPU: the synthetic dataset build() made, subtracted from the measured peak
+    seconds: float
+    note: str
+
+
+def peak_bytes(device: torch.device, work: Callable[[], T]) -> tuple[int, T]:
+    """Run `work()`; return the peak of the memory it allocated on `device`, in bytes, and its result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = work()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before, result
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = work()
+    # "[memory]" events carry +bytes on allocation and -bytes on free
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    running = peak = 0
+    for e in sorted((e for e in events if e.device_type() == DeviceType.CPU), key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak, result
+
+
+def dataset_bytes(c: Components) -> int:
+    """The synthetic dataset build() makes, in host memory; the steps use their own batches."""
+    return sum(t.untyped_storage().nbytes() for t in (c.data.train.x, c.data.train.y, c.data.val.x, c.data.val.y))
+
+
+def measure(work: Workload, precision: str, device: torch.device, steps: int) -> Row:
+    start = time.perf_counter()
+    cfg = compose_cfg(work, precision, device, None)
+    channels_last = work.channels_last and device.type == "cuda"
+    cfg.trainer.channels_last = channels_last  # as compare_loops: the workload decides, batches follow
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = synthetic_batches(dataclasses.replace(work, n_batches=1), device, cfg.seed + i)[0]
+        return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), y
+
+    def train() -> tuple[Components, tuple[torch.Tensor, torch.Tensor]]:
+        c = build(cfg)
+        for i in range(steps):
+            micro = batch(i)  # made here, so the peak holds one batch, as the estimate counts
+            optimizer_step(
+                c.net or c.model,
+                [micro],
+                c.optimizer,
+                c.scheduler,
+                c.scaler,
+                c.policy,
+                c.params,
+                cfg.optim.clip_grad_norm,
+            )
+        return c, micro
+
+    peak, (c, last) = peak_bytes(device, train)
+    dataset = dataset_bytes(c) if device.type == "cpu" else 0
+    estimate = estimate_memory(c, last)
+    measured = peak - dataset
+    return Row(
+        model=work.label,
+        precision=precision,
+        mode=c.params.mode,
+        batch_size=work.batch_size,
+        estimate_mb=estimate.megabytes(),
+        measured_mb=measured / MB,
+        ratio=measured / estimate.total,
+        dataset_mb=dataset / MB,
+        seconds=time.perf_counter() - start,
+        note=note(c, steps),
+    )
+
+
+def note(c: Components, steps: int) -> str:
+    notes = []
+    if c.scaler.skipped_steps:  # fp16's first scales can overflow: a step skipped before any update makes no state
+        notes.append(f"{c.scaler.skipped_steps} of {steps} steps skipped")
+    if c.policy.autocast_dtype is not None:
+        notes.append(f"activations hold autocast's {str(c.policy.autocast_dtype).removeprefix('torch.')} weight copies")
+    if c.params.mode == "master":
+        notes.append("fp32 master weights; master grads replace the model's during the update")
+    if c.params.mode == "lowp":
+        notes.append("master w/g: fp32 upcasts during the update only")
+        if c.policy.update != "nearest":  # finish_ rounds through fp32 temporaries of each weight
+            notes.append(f"{c.policy.update} rounding's fp32 temporaries not in the estimate")
+    return "; ".join(notes)
+
+
+# ---------------------------------------------------------------- output
+
+
+def environment(device: torch.device, args: argparse.Namespace) -> dict:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", *sys.argv]),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "overrides": args.override,
+        "measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler memory events",
+        "not_run": [],  # (model, precision) pairs the config rejects, with the reason
+    }
+
+
+def header(env: dict) -> str:
+    parts = " | ".join(PARTS.values())
+    return "\n".join(
+        [
+            f"{env['date']}, {env['device_name']}, torch {env['torch']}, {env['steps']} optimizer steps per row, "
+            f"peak by {env['measured_by']}. `{env['command']}`",
+            "MiB; the estimate's parts, their sum, and the measured peak above the memory before the build.",
+            "",
+            f"| model | precision | batch | {parts} | estimate | measured | measured / estimate | s | note |",
+            "|---|---|---:|" + "---:|" * (len(PARTS) + 4) + "---|",
+        ]
+    )
+
+
+def table_row(r: Row) -> str:
+    parts = " | ".join(f"{r.estimate_mb[name]:,.2f}" for name in PARTS)
+    return (
+        f"| {r.model} | {r.precision} | {r.batch_size} | {parts} | {r.estimate_mb['total']:,.2f} | "
+        f"{r.measured_mb:,.2f} | {r.ratio:.2f} | {r.seconds:.1f} | {r.note} |"
+    )
+
+
+def write_outputs(args: argparse.Namespace, env: dict, rows: list[Row]) -> None:
+    if args.markdown:
+        not_run = [f"Not run: {line}" for line in env["not_run"]]
+        args.markdown.write_text("\n".join([header(env), *map(table_row, rows), "", *not_run]) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    parser.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--precisions", default=None, help="comma-separated halfprec precision options")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per row (the state appears at the 1st)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override for every row (optim=adamw)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run: mlp-small in four modes (seconds on CPU)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown")
+    args = parser.parse_args(argv)
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible here")
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (the optimizer state appears during the first)")
+    default_precisions = QUICK_PRECISIONS if args.quick else DEFAULT_PRECISIONS[args.device]
+    choose_rows(parser, args, DEFAULT_MODELS[args.device], default_precisions)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as compare_loops: a second thread on a shared 2-core machine measures the neighbour
+    else:
+        # cuBLAS and cuBLASLt (matmuls with a bias) make their workspaces at the first call and keep
+        # them: make them before the first row's baseline, so that no row counts them.
+        # cudnn.benchmark stays off: trying every algorithm would put the largest workspace in the peak.
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            a = torch.ones(64, 64, device=device, dtype=dtype)
+            (a @ a + torch.nn.functional.linear(a, a, a[0])).sum().item()
+    env = environment(device, args)
+    print(header(env), flush=True)
+    rows: list[Row] = []
+    for key in args.models:
+        work = dataclasses.replace(WORKLOADS[key], overrides=(*WORKLOADS[key].overrides, *args.override))
+        for precision in args.precisions:
+            try:
+                rows.append(measure(work, precision, device, args.steps))
+            except ConfigError as err:  # a mode this model cannot run (fp8 on resnet50: no eligible Linear)
+                env["not_run"].append(f"{work.label}, {precision}: {err}")
+                print(f"{work.label}, {precision}: not run: {err}", file=sys.stderr, flush=True)
+                write_outputs(args, env, rows)
+                continue
+            print(table_row(rows[-1]), flush=True)
+            print(f"{rows[-1].model}, {precision}: {rows[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+            write_outputs(args, env, rows)  # after every row: a run cut short keeps what it measured
+            gc.collect()  # the row's components are garbage now: free them before the next baseline
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""What a training step keeps in memory, per precision mode, counted from the built components.
+
+`estimate_memory(c, batch)` adds up the parts a step holds: the model's parameters and buffers,
+their gradients, the fp32 weights and gradients the optimizer steps where those are not the model's
+own (master weights), the optimizer's state, Kahan compensation buffers, the input batch, and the
+activations autograd saves for backward. `benchmarks/memory.py` compares it with measured peaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halfprec.distributed import is_sharded
+from halfprec.precision import OptimizerParams, PrecisionPolicy
+
+if TYPE_CHECKING:  # train.py imports Hydra; this module needs only the components it is given
+    from halfprec.train import Components
+
+MB = 2**20
+
+# Tensors of parameter size each optimizer keeps per parameter, from its param_group settings. The
+# state only appears at the first step, so it is predicted from these rules, not read off
+# optimizer.state. Exact classes only: a subclass may keep more.
+STATE_TENSORS = {
+    torch.optim.SGD: lambda group: 1 if group["momentum"] != 0 else 0,
+    torch.optim.Adam: lambda group: 3 if group["amsgrad"] else 2,
+    torch.optim.AdamW: lambda group: 3 if group["amsgrad"] else 2,
+}
+# Adam keeps a float32 `step` count per parameter; it sits with the parameters only when the update
+# runs there (fused, capturable), otherwise on the host.
+STEP_COUNTERS = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class UnknownOptimizer(ValueError):
+    """estimate_memory has no rule for how much state this optimizer keeps."""
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes a training step holds, by part. `total` is their plain sum: parts that never coexist
+    are both counted (see estimate_memory), and workspaces and temporaries are not."""
+
+    params: int  # model parameters at their storage dtype
+    buffers: int  # model buffers (BatchNorm running statistics)
+    grads: int  # the model's gradients, in each parameter's dtype
+    master_weights: int  # fp32 weights the optimizer steps that are not the model's own
+    master_grads: int  # fp32 gradients the optimizer steps that are not the model's own
+    optimizer_state: int
+    compensation: int  # Kahan buffers (precision.update=kahan)
+    inputs: int  # the batch, as the caller holds it
+    activations: int  # tensors autograd saves for backward, beyond parameters and inputs
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts().values())
+
+    def parts(self) -> dict[str, int]:
+        return asdict(self)
+
+    def megabytes(self) -> dict[str, float]:
+        """Every part and the total in MiB, for tables."""
+        return {name: n / MB for name, n in {**self.parts(), "total": self.total}.items()}
+
+
+def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> MemoryEstimate:
+    """Bytes that one optimizer step on `batch` holds, for one process without FSDP.
+
+    The state is counted from parameter counts, dtypes and the precision mode (`c.params.mode`):
+
+    - params: every model parameter at its storage dtype (pure modes store weights in fp16/bf16 and
+      keep normalization layers fp32 under keep_norm_fp32); buffers alike.
+    - grads: one per trainable parameter, same size and dtype.
+    - master weights and master grads: fp32 tensors the optimizer steps beside the model's own.
+      mode "master": a persistent fp32 copy of every trainable parameter, and fp32 gradients made
+      from the low-precision ones at unscale (an fp32 parameter's gradient is moved, not copied).
+      mode "lowp": no persistent copy, but from unscale to finish_ every low-precision parameter is
+      upcast to fp32 (its low-precision data kept aside) and gets an fp32 gradient, so the update
+      holds the same extra bytes as master weights and grads, for its duration.
+    - optimizer state: from the optimizer class and its param_group settings (SGD: a momentum
+      buffer unless momentum=0; Adam/AdamW: two moments, three with amsgrad), in the dtype the
+      optimizer steps (fp32 in every halfprec mode). Any other class raises UnknownOptimizer.
+    - compensation: mode "lowp" with update=kahan: one buffer per parameter, in its dtype.
+    - inputs: the batch's storages.
+
+    Activations are counted, not predicted: one forward of `batch` under the policy (autocast,
+    cast_input, loss in fp32) with saved_tensors_hooks recording every tensor autograd saves,
+    deduplicated by storage, without the parameters' and the batch's storages (counted above).
+    Autocast's low-precision weight copies are saved tensors with storages of their own, so they
+    count: in mixed modes they are memory beside the fp32 weights. The forward leaves buffers
+    (BatchNorm statistics) and the RNG as they were.
+
+    `total` sums the parts, although not all coexist: activations are freed while gradients are
+    made, and in "master" mode the low-precision gradients while master gradients are made. Not
+    counted: the allocator's rounding and cache, cuDNN/cuBLAS workspaces, temporaries in backward
+    (gradients of activations) and in the update (foreach/fused optimizer math, Kahan and
+    stochastic rounding), autocast's cached casts that are not saved, DDP's gradient buckets.
+    """
+    if is_sharded(c.model):
+        raise ValueError("estimate_memory counts one process's unsharded model; FSDP shards are not supported")
+    p = c.params
+    trainable = p.model_params
+    # fp32 twins of the low-precision parameters: master grads, and lowp's upcasts during the update
+    upcast = _bytes([t for t in trainable if t.dtype != torch.float32], torch.float32)
+    return MemoryEstimate(
+        params=_bytes(c.model.parameters()),
+        buffers=_bytes(c.model.buffers()),
+        grads=_bytes(trainable),
+        master_weights={"master": _bytes(trainable, torch.float32), "lowp": upcast}.get(p.mode, 0),
+        master_grads=upcast if p.mode != "fp32" else 0,
+        optimizer_state=optimizer_state_bytes(c.optimizer, p, c.device),
+        compensation=_bytes(p.kahan or []),
+        inputs=_bytes(batch),
+        activations=activation_bytes(c.model, c.policy, batch),
+    )
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: OptimizerParams, device: torch.device) -> int:
+    """The state `optimizer` will hold once it has stepped every parameter, in bytes on `device`."""
+    rule = STATE_TENSORS.get(type(optimizer))
+    if rule is None:
+        known = ", ".join(cls.__name__ for cls in STATE_TENSORS)
+        raise UnknownOptimizer(
+            f"no memory rule for {type(optimizer).__module__}.{type(optimizer).__qualname__}: how many "
+            f"parameter-sized state tensors it keeps is unknown (known: {known}); add it to "
+            "halfprec.memory.STATE_TENSORS"
+        )
+    total = 0
+    for group in optimizer.param_groups:
+        on_device = device.type == "cpu" or group.get("fused") or group.get("capturable")
+        step_count = torch.float32.itemsize if isinstance(optimizer, STEP_COUNTERS) and on_device else 0
+        for t in group["params"]:
+            # lowp mode steps fp32 upcasts of the low-precision parameters: its state is fp32
+            dtype = torch.float32 if params.mode == "lowp" else t.dtype
+            total += rule(group) * t.numel() * dtype.itemsize + step_count
+    return total
+
+
+def activation_bytes(model: nn.Module, policy: PrecisionPolicy, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves in one training forward of `batch` (model in
+    train mode, loss included), other than the parameters' and the batch's."""
+    x, y = batch
+    known = {_storage_key(t) for t in [*model.parameters(), x, y]}
+    saved: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in known and t.device == x.device:
+            saved[key] = key[1]
+        return t  # the graph holds it until the end of the count, so no storage is reused meanwhile
+
+    was_training = model.training
+    buffers = [b.clone() for b in model.buffers()]
+    devices = [x.device] if x.device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.enable_grad():
+            model.train()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with policy.autocast():
+                    logits = model(policy.cast_input(x))
+                loss = F.cross_entropy(logits.float(), y)
+            del logits, loss
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for b, kept in zip(model.buffers(), buffers):
+                b.copy_(kept)
+    return sum(saved.values())
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _bytes(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> int:
+    """Bytes of the distinct tensors in `tensors` (tied weights once), each in `dtype` or its own."""
+    distinct = {id(t): t for t in tensors}.values()
+    return sum(t.numel() * (dtype or t.dtype).itemsize for t in distinct)

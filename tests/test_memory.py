@@ -1,0 +1,213 @@
+"""halfprec.memory's estimate against hand counts, and benchmarks/memory.py against the estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from halfprec.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes
+from halfprec.precision import OptimizerParams, PrecisionPolicy
+from halfprec.train import Components
+
+from helpers import batch, build_from
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+# The default MLP on 8x8 digits: Linear(64, 256), Linear(256, 256), Linear(256, 10), with biases.
+N = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10  # 85,002 parameters in 6 tensors
+FP32, BF16 = 4, 2
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # SGD momentum 0.9: one fp32 momentum buffer per parameter
+        (["precision=fp32"], dict(params=FP32 * N, grads=FP32 * N, optimizer_state=FP32 * N)),
+        # bf16 weights and grads; fp32 master copy, fp32 master grads, fp32 state
+        (
+            ["precision=bf16_pure_master"],
+            dict(
+                params=BF16 * N,
+                grads=BF16 * N,
+                master_weights=FP32 * N,
+                master_grads=FP32 * N,
+                optimizer_state=FP32 * N,
+            ),
+        ),
+        # no master copy, but the update runs on fp32 upcasts with fp32 grads; bf16 Kahan buffers
+        (
+            ["precision=bf16_pure_kahan"],
+            dict(
+                params=BF16 * N,
+                grads=BF16 * N,
+                master_weights=FP32 * N,
+                master_grads=FP32 * N,
+                optimizer_state=FP32 * N,
+                compensation=BF16 * N,
+            ),
+        ),
+        # SGD without momentum keeps no state
+        (
+            ["precision=bf16_pure", "optim.momentum=0"],
+            dict(params=BF16 * N, grads=BF16 * N, master_weights=FP32 * N, master_grads=FP32 * N),
+        ),
+        # AdamW: two fp32 moments per parameter, plus a 4-byte step count per tensor (on the CPU)
+        (
+            ["precision=fp32", "optim=adamw"],
+            dict(params=FP32 * N, grads=FP32 * N, optimizer_state=2 * FP32 * N + 6 * 4),
+        ),
+        # Adam keeps what AdamW keeps
+        (
+            ["precision=fp32", "optim=adamw", "optim._target_=torch.optim.Adam"],
+            dict(params=FP32 * N, grads=FP32 * N, optimizer_state=2 * FP32 * N + 6 * 4),
+        ),
+        # bf16 autocast keeps fp32 weights; amsgrad adds a third moment
+        (
+            ["precision=bf16", "optim=adamw", "+optim.amsgrad=true"],
+            dict(params=FP32 * N, grads=FP32 * N, optimizer_state=3 * FP32 * N + 6 * 4),
+        ),
+    ],
+)
+def test_state_matches_hand_count(overrides, expected):
+    c, _ = build_from(*overrides)
+    x, y = batch(16)
+    estimate = estimate_memory(c, (x, y))
+    zero = dict(buffers=0, master_weights=0, master_grads=0, optimizer_state=0, compensation=0)
+    assert {k: v for k, v in estimate.parts().items() if k not in ("inputs", "activations")} == {**zero, **expected}
+    assert estimate.inputs == 16 * 64 * FP32 + 16 * 8  # the fp32 images and the int64 labels
+
+
+def test_adam_step_counts_are_device_memory_only_where_the_update_runs_on_the_device():
+    c, _ = build_from("precision=fp32", "optim=adamw")
+    cuda = torch.device("cuda")  # nothing is allocated: the count only asks where the state would live
+    assert optimizer_state_bytes(c.optimizer, c.params, cuda) == 2 * FP32 * N  # foreach: step counts on the host
+    c.optimizer.param_groups[0]["fused"] = True
+    assert optimizer_state_bytes(c.optimizer, c.params, cuda) == 2 * FP32 * N + 6 * 4
+
+
+@pytest.mark.parametrize(
+    "precision, expected",
+    [
+        # ReLU saves its output and the next Linear saves the same tensor as its input: one storage
+        # each (8 x 32 fp32); log_softmax's output (8 x 10 fp32) and nll_loss's 0-dim total weight.
+        # Not counted: the batch (first Linear's input, the labels) and the weights W2, W3 the Linears
+        # save, which are parameters. The first Linear keeps no weight: its input needs no gradient.
+        ("fp32", 2 * 8 * 32 * FP32 + 8 * 10 * FP32 + 4),
+        # Autocast: the bf16 copy of the input and bf16 ReLU outputs, plus the bf16 weight copies
+        # W2 (32 x 32) and W3 (10 x 32) that the Linears save; the loss stays fp32.
+        ("bf16", 8 * 64 * BF16 + 2 * 8 * 32 * BF16 + (32 * 32 + 10 * 32) * BF16 + 8 * 10 * FP32 + 4),
+        # Pure bf16: the input cast to bf16 and the ReLU outputs; the weights are parameters.
+        ("bf16_pure", 8 * 64 * BF16 + 2 * 8 * 32 * BF16 + 8 * 10 * FP32 + 4),
+    ],
+)
+def test_activations_match_hand_count(precision, expected):
+    c, _ = build_from(f"precision={precision}", "model.hidden=[32,32]")
+    assert activation_bytes(c.model, c.policy, batch(8)) == expected
+
+
+def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
+    policy = PrecisionPolicy("bf16_pure_master", None, torch.bfloat16, True, "nearest", True, False)
+    policy.prepare_model(model)
+    params = OptimizerParams(model, policy)
+    optimizer = torch.optim.SGD(params.params, lr=0.1, momentum=0.9)
+    c = Components(model, None, policy, params, optimizer, None, None, torch.device("cpu"))
+    model.eval()
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+
+    estimate = estimate_memory(c, (x, y))
+    lowp, norm = 8 * 16 + 16 + 16 * 4 + 4, 16 + 16  # Linear weights and biases in bf16; BatchNorm's in fp32
+    assert estimate.params == estimate.grads == lowp * BF16 + norm * FP32
+    assert estimate.master_weights == estimate.optimizer_state == (lowp + norm) * FP32
+    assert estimate.master_grads == lowp * FP32  # an fp32 parameter's gradient is moved, not copied
+    assert estimate.buffers == 16 * FP32 + 16 * FP32 + 8  # running mean and var, int64 batch count
+    assert estimate.activations > 0
+    # the training forward ran (BatchNorm in train mode, dropout) and left no trace
+    assert not model.training
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), stats))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_unknown_optimizer_is_reported_not_guessed():
+    c, _ = build_from("precision=fp32", "model.hidden=[32]")
+
+    class MySGD(torch.optim.SGD):  # a subclass may keep more state than its parent
+        pass
+
+    for optimizer in (torch.optim.RMSprop(c.params.params), MySGD(c.params.params, lr=0.1)):
+        name = type(optimizer).__name__
+        with pytest.raises(UnknownOptimizer, match=rf"no memory rule for .*{name}.*known: SGD, Adam, AdamW"):
+            estimate_memory(dataclasses.replace(c, optimizer=optimizer), batch(8))
+
+
+@pytest.fixture(scope="module")
+def memory_bench():
+    """benchmarks/memory.py as a module (it imports compare_loops from its own folder)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location("memory_benchmark", BENCHMARKS / "memory.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("memory_benchmark", None)
+
+
+@pytest.mark.parametrize(
+    "precision", ["fp32", "bf16", "bf16_pure", "bf16_pure_master", "bf16_pure_kahan", "bf16_pure_stochastic"]
+)
+def test_measured_cpu_peak_is_near_the_estimate(memory_bench, precision):
+    row = memory_bench.measure(memory_bench.WORKLOADS["mlp-small"], precision, torch.device("cpu"), steps=3)
+    # The estimate sums parts that never all coexist (activations are freed while gradients are made;
+    # in pure modes the bf16 gradients while their fp32 copies are made), which puts the peak below
+    # it; temporaries it leaves out (an activation's gradient, a bf16 weight gradient cast to fp32,
+    # the rounding of an update) put the peak above. On this MLP measured / estimate was 1.00 (fp32),
+    # 0.95 (bf16), 0.83 (bf16_pure), 0.92 (_master), 1.03 (_kahan), 0.85 (_stochastic); outside
+    # 0.8-1.05 one of the two sides has lost or gained a part. (Kahan and stochastic rounding through
+    # fp32 temporaries that the step kept alive measured 1.56 and 1.35 here.)
+    assert 0.8 <= row.ratio <= 1.05, row
+    assert row.measured_mb > 0.9  # weights, grads and momentum alone: 3 x 0.32 MiB (0.16 for bf16 weights)
+
+
+@pytest.mark.slow  # a subprocess: ~4 s of imports and the first optimizer's set-up, then four rows
+def test_benchmark_runs_and_prints_the_table(tmp_path):
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, str(BENCHMARKS / "memory.py"), "--quick", "--device", "cpu", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| model | precision | batch | params |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "bf16_pure_kahan", "bf16_pure_master"]
+    for r in rows:
+        assert f"| {r['model']} | {r['precision']} | 64 |" in proc.stdout
+        assert r["measured_mb"] > 0 and r["estimate_mb"]["total"] > 0
+    assert rows[2]["estimate_mb"]["compensation"] > 0  # the Kahan row has its buffers
+
+
+@pytest.mark.slow  # a subprocess, like the test above
+def test_benchmark_reports_a_mode_the_model_cannot_run_and_goes_on(tmp_path):
+    """fp8 on a model without a Linear layer fit for float8 is a config error: that row is listed as
+    not run, with the reason, and the next row is measured (a GPU run must not lose its later rows)."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "memory.json"
+    cmd = [sys.executable, str(BENCHMARKS / "memory.py"), "--device", "cpu", "--models", "mlp-small"]
+    cmd += ["--precisions", "fp8,fp32", "--override", "model.hidden=[20]", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["precision"] for r in report["rows"]] == ["fp32"]
+    (line,) = report["env"]["not_run"]
+    assert "fp8" in line and "divisible by 16" in line
