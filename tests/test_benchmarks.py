@@ -66,3 +66,26 @@ def test_gpu_script_skips_cleanly_without_a_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no CUDA GPU visible here" in (tmp_path / "out" / "SKIPPED.md").read_text()
     assert "skipped" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compare_loops_lists_a_mode_the_model_cannot_run_and_goes_on(tmp_path):
+    """A (model, precision) pair the config rejects (fp8 without a Linear fit for float8, as on
+    resnet50) is a "not run" row with the reason; the next row is measured (a GPU run keeps them)."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "r.json"
+    code = f"""
+import dataclasses, sys
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import compare_loops as cl
+cl.WORKLOADS["mlp-odd"] = dataclasses.replace(cl.WORKLOADS["mlp-small"], overrides=("model=mlp", "model.hidden=[20]"))
+cl.main(["--device", "cpu", "--models", "mlp-odd", "--precisions", "fp8,fp32", "--quick", "--frameworks", "none",
+         "--json", {str(out)!r}])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    expected = [("fp8", "halfprec"), ("fp32", "halfprec"), ("fp32", "raw")]
+    assert [(r["precision"], r["contender"]) for r in rows] == expected
+    assert rows[0]["note"].startswith("not run: precision=fp8") and rows[0]["median_ms"] is None
+    assert rows[1]["max_param_diff_vs_raw"] <= 1e-5

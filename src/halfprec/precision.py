@@ -252,6 +252,12 @@ class OptimizerParams:
             p.grad = grad
         return [p.grad for p in self.params if p.grad is not None]
 
+    def drop_grads(self) -> None:
+        """model.zero_grad(set_to_none=True) for the trainable parameters, from the list at hand:
+        Module.zero_grad walks every submodule to find them (18 vs 0.4 us on the digits MLP)."""
+        for p in self.model_params:
+            p.grad = None
+
     def first_nonfinite(self) -> str | None:
         """Where inf/NaN gradients start: the first parameter, in the order backward reaches them
         (model order reversed), whose unscaled gradient is inf/NaN. An overflow flows back into

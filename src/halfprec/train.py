@@ -223,9 +223,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics."""
     world = distributed.init(cfg.trainer.distributed, resolve_device(cfg).type)
     try:
-        return _run(cfg, distributed.shared_run_dir(world, Path(run_dir)), world)
-    finally:
-        distributed.finish()
+        summary = _run(cfg, distributed.shared_run_dir(world, Path(run_dir)), world)
+    except BaseException:
+        distributed.finish(world, completed=False)
+        raise
+    distributed.finish(world, completed=True)
+    return summary
 
 
 def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
