@@ -101,8 +101,7 @@ def optimizer_step(
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all gradients together. One device and dtype (the usual case) skips
     get_total_norm's per-call grouping, a third of the check's cost on a small model's CPU step."""
-    first = grads[0]
-    if all(g.device == first.device and g.dtype == first.dtype for g in grads):
+    if _one_device_and_dtype(grads):
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     return torch.nn.utils.get_total_norm(grads)
 
@@ -115,11 +114,15 @@ def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
     own shards, and the caller reduces over ranks. `grads` must not be empty."""
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     first = local[0]
-    if first.dtype in (torch.float32, torch.float16) and all(
-        g.device == first.device and g.dtype == first.dtype for g in local
-    ):
+    if first.dtype in (torch.float32, torch.float16) and _one_device_and_dtype(local):
         found = torch.zeros(1, dtype=torch.float32, device=first.device)
         one = torch.ones(1, dtype=torch.float32, device=first.device)
         torch._amp_foreach_non_finite_check_and_unscale_(local, found, one)
         return found
     return torch.stack([~torch.isfinite(g).all().to(first.device) for g in local]).any()
+
+
+def _one_device_and_dtype(tensors: list[torch.Tensor]) -> bool:
+    """What torch's foreach kernels want in one call (otherwise they group, or refuse on CUDA)."""
+    first = tensors[0]
+    return all(t.device == first.device and t.dtype == first.dtype for t in tensors)
