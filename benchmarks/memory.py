@@ -263,7 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     print(header(env), flush=True)
     rows: list[Row] = []
     for key in args.models:
-        work = dataclasses.replace(WORKLOADS[key], overrides=(*WORKLOADS[key].overrides, *args.override))
+        work = WORKLOADS[key]
+        if args.override:  # the rows name what changed: the same model with AdamW is another row
+            label = f"{work.label} ({' '.join(args.override)})"
+            work = dataclasses.replace(work, label=label, overrides=(*work.overrides, *args.override))
         for precision in args.precisions:
             try:
                 rows.append(measure(work, precision, device, args.steps))

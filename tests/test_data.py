@@ -12,7 +12,16 @@ from tiny_data import write_cifar10, write_imagefolder
 
 from halfprec.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.config import ConfigError, validate
-from halfprec.data import Batches, LoaderBatches, Split, Workers, load_cifar10, load_imagefolder
+from halfprec.data import (
+    IGNORE_LABEL,
+    Batches,
+    LoaderBatches,
+    Split,
+    Workers,
+    load_cifar10,
+    load_imagefolder,
+    make_synthetic,
+)
 from halfprec.train import run
 from halfprec.vision import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
 
@@ -140,6 +149,28 @@ def test_two_ranks_together_see_what_one_rank_with_twice_the_batch_sees(cifar):
     ranks = [batches_of(LoaderBatches(cifar.train, 4, 0, CPU, rank, world_size=2), 12) for rank in (0, 1)]
     together = [(torch.cat([x0, x1]), torch.cat([y0, y1])) for (x0, y0), (x1, y1) in zip(*ranks)]
     assert_same(together, one)  # the augmented pixels too: each sample has its own augmentation seed
+
+
+@pytest.mark.parametrize("source", ["in-memory", "cifar10"])
+def test_ranks_split_validation_into_equal_shares_that_hold_each_sample_once(source, cifar):
+    # 16 samples over 3 ranks: 6, 5 and 5, the short ranks padded to 6 with ignored labels, so that
+    # every rank runs the same number of forwards (FSDP's forward is a collective)
+    data = cifar if source == "cifar10" else make_synthetic(shape=[1, 4, 4], num_train=8, num_val=16)
+    ((x_all, y_all),) = list(data.val_batches(256, CPU))
+    seen = {}
+    for rank in range(3):
+        share = list(data.val_batches(4, CPU, rank, world_size=3))
+        assert [len(y) for _, y in share] == [4, 2]
+        x, y = torch.cat([x for x, _ in share]), torch.cat([y for _, y in share])
+        for j in range(6):
+            index = rank + 3 * j
+            if index < 16:
+                assert y[j] == y_all[index] and torch.equal(x[j], x_all[index])
+                seen[index] = rank
+            else:
+                assert y[j] == IGNORE_LABEL
+    assert sorted(seen) == list(range(16))
+    assert [len(y) for _, y in data.val_batches(256, CPU)] == [16]  # one process: the whole split, as before
 
 
 def test_resume_continues_the_sequence_without_loading_the_skipped_samples():

@@ -42,6 +42,9 @@ def test_two_process_ddp_equals_one_process_with_twice_the_batch(tmp_path):
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["effective_batch"] == 8 * 2 * 2 and summary["world_size"] == 2  # micro-batch x accum x world
     assert [r["samples"] for r in rows_ddp] == [r["samples"] for r in rows_one]
+    # each rank evaluated its share of the validation set; the sums over ranks are the whole set's
+    assert rows_ddp[-1]["val/loss"] == pytest.approx(rows_one[-1]["val/loss"], abs=1e-6)
+    assert rows_ddp[-1]["val/acc"] == rows_one[-1]["val/acc"]
 
     # rank 0 alone made a run dir (nothing else in the launch dir) and owns the one W&B run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp", "one"]
@@ -92,6 +95,8 @@ def test_two_process_fsdp_equals_one_process_with_twice_the_batch(tmp_path):
         read_jsonl(tmp_path / "one" / "metrics.jsonl"),
     )
     assert [r["train/loss"] for r in rows_fsdp] == pytest.approx([r["train/loss"] for r in rows_one], abs=1e-6)
+    assert rows_fsdp[-1]["val/loss"] == pytest.approx(rows_one[-1]["val/loss"], abs=1e-6)
+    assert rows_fsdp[-1]["val/acc"] == rows_one[-1]["val/acc"]
 
 
 def test_fsdp_bf16_policy_trains_skips_together_and_resumes_at_another_world_size(tmp_path):
@@ -193,3 +198,58 @@ def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
                        f"hydra.run.dir={run_dir}")  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == stopped_at + 2
+
+
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten()
+    )
+    return net.append(torch.nn.Linear(64, 10))
+
+
+def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from halfprec.data import make_synthetic
+    from halfprec.distributed import World
+    from halfprec.precision import PrecisionPolicy
+    from halfprec.train import evaluate
+
+    from helpers import compose_cfg
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    net = _bn_net()
+    net[1].running_mean.fill_(3.0 * rank)  # the ranks' BatchNorm statistics differ, as after FSDP training
+    policy = PrecisionPolicy.from_config(compose_cfg().precision, "cpu")
+    data = make_synthetic(shape=[1, 4, 4], num_train=8, num_val=15)
+    metrics = evaluate(net, data, policy, 4, torch.device("cpu"), World(rank, 2))
+    metrics["running_mean"] = net[1].running_mean.tolist()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(metrics))
+    dist.destroy_process_group()
+
+
+def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_statistics(tmp_path):
+    # 15 samples: rank 0 takes 8, rank 1 7 and one padding sample; the sums over both equal one
+    # process's evaluation of the whole set with rank 0's model (statistics included)
+    from halfprec.data import make_synthetic
+    from halfprec.precision import PrecisionPolicy
+    from halfprec.train import evaluate
+
+    from helpers import compose_cfg
+
+    torch.multiprocessing.spawn(_evaluate_on_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    data = make_synthetic(shape=[1, 4, 4], num_train=8, num_val=15)
+    policy = PrecisionPolicy.from_config(compose_cfg().precision, "cpu")
+    net = _bn_net()
+    alone = evaluate(net, data, policy, 4, torch.device("cpu"))
+    net[1].running_mean.fill_(3.0)
+    with_rank_1_statistics = evaluate(net, data, policy, 4, torch.device("cpu"))
+    assert with_rank_1_statistics["val/loss"] != pytest.approx(alone["val/loss"], rel=1e-3)  # the test can tell
+    for metrics in ranks:
+        assert metrics["val/loss"] == pytest.approx(alone["val/loss"], rel=1e-6)
+        assert metrics["val/acc"] == alone["val/acc"]
+        assert metrics["running_mean"] == [0.0] * 4

@@ -209,5 +209,6 @@ def test_benchmark_reports_a_mode_the_model_cannot_run_and_goes_on(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["precision"] for r in report["rows"]] == ["fp32"]
+    assert report["rows"][0]["model"] == "mlp 64-256-256-10 (model.hidden=[20])"  # the label says what changed
     (line,) = report["env"]["not_run"]
     assert "fp8" in line and "divisible by 16" in line

@@ -65,7 +65,7 @@ class Dataset:
     input_shape: tuple[int, ...]
     num_classes: int
     workers: Workers = field(default_factory=Workers)
-    _val_loader: DataLoader | None = field(default=None, init=False, repr=False)
+    _val_loader: tuple[tuple[int, int, int], DataLoader] | None = field(default=None, init=False, repr=False)
 
     def train_batches(
         self, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
@@ -75,14 +75,21 @@ class Dataset:
             return Batches(self.train, batch_size, seed, device, rank, world_size)
         return LoaderBatches(self.train, batch_size, seed, device, rank, world_size, self.workers)
 
-    def val_batches(self, batch_size: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One pass over the validation split, in order."""
+    def val_batches(
+        self, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass, in order, over this rank's share of the validation split: samples rank,
+        rank + world_size, ... Every rank gets the same number of samples, hence of forwards (FSDP's
+        forward is a collective): the short ones are padded with sample 0 labelled IGNORE_LABEL."""
         if isinstance(self.val, Split):
-            return eval_batches(self.val, batch_size, device)
-        if self._val_loader is None or self._val_loader.batch_size != batch_size:
+            return eval_batches(self.val, batch_size, device, rank, world_size)
+        key = (batch_size, rank, world_size)
+        if self._val_loader is None or self._val_loader[0] != key:
             # kept between evaluations, so that persistent workers persist
-            self._val_loader = DataLoader(self.val, batch_size, **self.workers.loader_args(device))
-        return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in self._val_loader)
+            share = self.val if world_size == 1 else _RankShare(self.val, rank, world_size)
+            self._val_loader = key, DataLoader(share, batch_size, **self.workers.loader_args(device))
+        loader = self._val_loader[1]
+        return ((x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in loader)
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -368,6 +375,39 @@ class LoaderBatches:
 TrainBatches = Batches | LoaderBatches  # what Dataset.train_batches returns; the loop needs next() and state_dict()
 
 
-def eval_batches(split: Split, batch_size: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for i in range(0, len(split.y), batch_size):
-        yield split.x[i : i + batch_size].to(device), split.y[i : i + batch_size].to(device)
+# cross_entropy's default ignore_index: a padded sample adds nothing to a summed loss, and no
+# prediction equals it, so it adds nothing to the count of correct ones either
+IGNORE_LABEL = -100
+
+
+def rank_share(n: int, rank: int, world_size: int) -> torch.Tensor:
+    """Indices of this rank's validation samples: rank, rank + world_size, ... < n, then -1 (padding)
+    up to ceil(n / world_size), the same length on every rank."""
+    share = torch.arange(rank, -(-n // world_size) * world_size, world_size)
+    return torch.where(share < n, share, -1)
+
+
+def eval_batches(
+    split: Split, batch_size: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = split.x, split.y
+    if world_size > 1:
+        share = rank_share(len(y), rank, world_size)
+        x, y = x[share.clamp(min=0)], torch.where(share >= 0, y[share.clamp(min=0)], IGNORE_LABEL)
+    for i in range(0, len(y), batch_size):
+        yield x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
+
+
+class _RankShare(TorchDataset):
+    """A rank's share of a map-style validation set (see `rank_share`)."""
+
+    def __init__(self, dataset: TorchDataset, rank: int, world_size: int):
+        self.dataset, self.share = dataset, rank_share(len(dataset), rank, world_size).tolist()
+
+    def __len__(self) -> int:
+        return len(self.share)
+
+    def __getitem__(self, i: int):
+        if self.share[i] < 0:
+            return self.dataset[0][0], IGNORE_LABEL
+        return self.dataset[self.share[i]]

@@ -183,6 +183,22 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return total / dist.get_world_size()
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a per-rank tensor on the device; itself without DDP/FSDP."""
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    return value
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) on every rank. DDP's forward does this before
+    each training step, FSDP never does; ranks that evaluate shares of one validation set must
+    agree on them."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def check_ranks_agree(model: nn.Module, scale: float, skipped: int) -> None:
     """At the end of a DDP/FSDP run: identical weights, scale and skip count on every rank, or an error."""
     if not dist.is_initialized():

@@ -89,18 +89,25 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, policy: PrecisionPolicy, batch_size: int, device) -> dict:
+def evaluate(
+    model: nn.Module, data: Dataset, policy: PrecisionPolicy, batch_size: int, device, world: World | None = None
+) -> dict:
+    """val/loss and val/acc over the whole validation split. Under DDP/FSDP each rank takes its
+    share of the samples and the sums are added over ranks."""
+    world = world or World()
     model.eval()
+    distributed.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.int64)
-    for x, y in data.val_batches(max(batch_size, 256), device):
+    for x, y in data.val_batches(max(batch_size, 256), device, world.rank, world.size):
         with policy.autocast():
             logits = model(policy.cast_input(x)).float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum")
+        loss_sum += F.cross_entropy(logits, y, reduction="sum")  # padding (IGNORE_LABEL) adds 0
         correct += (logits.argmax(1) == y).sum()
     model.train()
+    loss_sum, correct = distributed.sum_over_ranks(torch.stack([loss_sum.double(), correct.double()])).tolist()
     n = len(data.val)
-    return {"val/loss": loss_sum.item() / n, "val/acc": correct.item() / n}
+    return {"val/loss": loss_sum / n, "val/acc": correct / n}
 
 
 @dataclass
@@ -379,7 +386,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                 loop.clean_loss_sum, loop.clean_steps = 0.0, 0
                 loop.last_row_step, loop.skipped_before, last_time = step, scaler.skipped_steps, now
             if (t.val_every and step % t.val_every == 0) or step == t.max_steps:
-                row.update(evaluate(model, c.data, policy, cfg.data.batch_size, c.device))
+                row.update(evaluate(model, c.data, policy, cfg.data.batch_size, c.device, c.world))
                 last_time = time.perf_counter()  # keep validation out of perf/step_ms
             if row:
                 row = {"step": step, "samples": step * per_step, **row}
