@@ -6,10 +6,11 @@
 
 See benchmarks/README.md for what is measured how, and measured tables.
 
-For each (model, precision mode): `halfprec.train.build(cfg)` builds the components, then --steps (3)
+For each (model, precision mode): `halfprec.train.build(cfg)` builds the components, then
 `halfprec.step.optimizer_step`s run on fresh synthetic batches of the workload's size (the workloads
-of compare_loops.py), one batch alive at a time. Measured is the peak of allocated memory over the
-build and the steps, above what was allocated before the build:
+of compare_loops.py), one batch alive at a time, until --steps (3) of them have updated the weights
+(fp16's first loss scales may overflow: skipped steps, at most MAX_SKIPS, come on top). Measured
+is the peak of allocated memory over the build and the steps, above what was allocated before the build:
 
   cuda  torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus memory_allocated()
         before the build (the previous row's tensors freed and the caching allocator emptied first)
@@ -66,6 +67,7 @@ PARTS = {  # MemoryEstimate field: column header
     "inputs": "batch",
     "activations": "activations",
 }
+MAX_SKIPS = 16  # overflowed fp16 steps a row may take on top of --steps (the scale halves each time)
 T = TypeVar("T")
 
 
@@ -118,11 +120,15 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
         x, y = synthetic_batches(dataclasses.replace(work, n_batches=1), device, cfg.seed + i)[0]
         return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), y
 
-    def train() -> tuple[Components, tuple[torch.Tensor, torch.Tensor]]:
+    def train() -> tuple[Components, tuple[torch.Tensor, torch.Tensor], int]:
         c = build(cfg)
-        for i in range(steps):
-            micro = batch(i)  # made here, so the peak holds one batch, as the estimate counts
-            optimizer_step(
+        # `steps` steps that update the weights: fp16's first scales may overflow, and a skipped
+        # step makes no optimizer state, so a peak over skipped steps alone would miss it
+        taken = tries = 0
+        while taken < steps and tries < steps + MAX_SKIPS:
+            micro = batch(tries)  # made here, so the peak holds one batch, as the estimate counts
+            tries += 1
+            taken += not optimizer_step(
                 c.net or c.model,
                 [micro],
                 c.optimizer,
@@ -131,10 +137,10 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
                 c.policy,
                 c.params,
                 cfg.optim.clip_grad_norm,
-            )
-        return c, micro
+            ).skipped
+        return c, micro, taken
 
-    peak, (c, last) = peak_bytes(device, train)
+    peak, (c, last, taken) = peak_bytes(device, train)
     dataset = dataset_bytes(c) if device.type == "cpu" else 0
     estimate = estimate_memory(c, last)
     measured = peak - dataset
@@ -148,14 +154,16 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
         ratio=measured / estimate.total,
         dataset_mb=dataset / MB,
         seconds=time.perf_counter() - start,
-        note=note(c, steps),
+        note=note(c, steps, taken),
     )
 
 
-def note(c: Components, steps: int) -> str:
+def note(c: Components, steps: int, taken: int) -> str:
     notes = []
-    if c.scaler.skipped_steps:  # fp16's first scales can overflow: a step skipped before any update makes no state
-        notes.append(f"{c.scaler.skipped_steps} of {steps} steps skipped")
+    if taken < steps:  # out of skips: the peak may lack the optimizer state
+        notes.append(f"only {taken} of {steps} steps updated the weights ({c.scaler.skipped_steps} skipped)")
+    elif c.scaler.skipped_steps:  # fp16's first scales can overflow: those steps come on top
+        notes.append(f"{c.scaler.skipped_steps} skipped steps besides the {steps} taken")
     if c.policy.autocast_dtype is not None:
         notes.append(f"activations hold autocast's {str(c.policy.autocast_dtype).removeprefix('torch.')} weight copies")
     if c.params.mode == "master":

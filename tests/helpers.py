@@ -62,11 +62,26 @@ DTYPES = {
 }
 
 
-def torchrun(cwd, *overrides: str, nproc: int = 2, tiny: bool = True) -> subprocess.CompletedProcess:
+def torchrun(
+    cwd, *overrides: str, nproc: int = 2, tiny: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=N train.py ...` as a user launches it; nproc=0 runs plain `python train.py ...`."""
     args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
     if nproc == 0:
         args = [sys.executable]
     args += [str(TRAIN), *(TINY if tiny else []), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: torchrun then stops its workers, which run in sessions of their own, so a
+        # SIGKILL to it alone would leave them running (on a GPU, holding it for what comes next)
+        proc.terminate()
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

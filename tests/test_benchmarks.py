@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,33 @@ def test_gpu_script_skips_cleanly_without_a_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no CUDA GPU visible here" in (tmp_path / "out" / "SKIPPED.md").read_text()
     assert "skipped" in proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_script_rehearsal_keeps_its_budget_and_marks_a_part_cut_short(tmp_path):
+    """GPU_SH_REHEARSAL=1 runs gpu.sh's steps on the CPU. With a 60 s budget every part gets the
+    10 s floor: the loop comparison cannot finish in it, so its markdown must say it was cut short
+    and the script exit 1, the whole within the budget (plus the kill grace), the files in the
+    caller's (relative) OUT_DIR and no more of them than the device tool brings back (8)."""
+    env = {**os.environ, "GPU_SH_REHEARSAL": "1", "GPU_SH_BUDGET_S": "60"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["bash", str(SCRIPT.parent / "gpu.sh"), "out"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    elapsed = time.monotonic() - start
+    out = tmp_path / "out"
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert elapsed < 60 + 3 * 10 + 15  # the budget, each part's kill grace, start-up
+    assert (out / "compare_loops.md").read_text().splitlines()[-1].startswith("gpu.sh: cut short at its 10 s limit")
+    assert {"env.txt", "gpu_tests.log", "bench.log"} <= {p.name for p in out.iterdir()} and len(
+        list(out.iterdir())
+    ) <= 8
+    assert "gpu.sh: compare_loops.py, limit 10 s" in (out / "bench.log").read_text()
 
 
 @pytest.mark.slow

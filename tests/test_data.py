@@ -9,12 +9,14 @@ import pytest
 import torch
 from conftest import read_jsonl
 from tiny_data import write_cifar10, write_imagefolder
+from torch.utils.data import TensorDataset
 
 from halfprec.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.config import ConfigError, validate
 from halfprec.data import (
     IGNORE_LABEL,
     Batches,
+    Dataset,
     LoaderBatches,
     Split,
     Workers,
@@ -151,11 +153,14 @@ def test_two_ranks_together_see_what_one_rank_with_twice_the_batch_sees(cifar):
     assert_same(together, one)  # the augmented pixels too: each sample has its own augmentation seed
 
 
-@pytest.mark.parametrize("source", ["in-memory", "cifar10"])
+@pytest.mark.parametrize("source", ["in-memory", "cifar10", "TensorDataset"])
 def test_ranks_split_validation_into_equal_shares_that_hold_each_sample_once(source, cifar):
     # 16 samples over 3 ranks: 6, 5 and 5, the short ranks padded to 6 with ignored labels, so that
-    # every rank runs the same number of forwards (FSDP's forward is a collective)
+    # every rank runs the same number of forwards (FSDP's forward is a collective). CIFAR-10's labels
+    # are ints, a TensorDataset's tensors: the padding's label must collate with either.
     data = cifar if source == "cifar10" else make_synthetic(shape=[1, 4, 4], num_train=8, num_val=16)
+    if source == "TensorDataset":
+        data = Dataset(data.train, TensorDataset(data.val.x, data.val.y), data.input_shape, data.num_classes)
     ((x_all, y_all),) = list(data.val_batches(256, CPU))
     seen = {}
     for rank in range(3):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
 from wandb.proto import wandb_internal_pb2 as pb
 
 HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
@@ -21,9 +23,25 @@ BLOCK, RECORD_HEADER = 32768, 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-def run_files(run_dir: str | Path) -> list[Path]:
-    """The `.wandb` files of every W&B run under a Hydra run dir, oldest first."""
-    return sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+def run_files(run_dir: str | Path, wait_s: float = 10.0) -> list[Path]:
+    """The `.wandb` files of every W&B run under a Hydra run dir, oldest first. W&B's own service
+    process writes them, and may still be writing when an in-process `run.finish()` has returned
+    (seen twice in full suites on the loaded 2-core machine: a file without its exit record, one
+    without even its run record), so this waits up to `wait_s` for each to hold an exit record.
+    (A process that exits tears the service down, which finishes the file first.)"""
+    files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    for path in files:
+        deadline = time.monotonic() + wait_s
+        while not _has_exit_record(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return files
+
+
+def _has_exit_record(path: Path) -> bool:
+    try:
+        return any(r.HasField("exit") for r in records(path))
+    except (ValueError, DecodeError):  # the header or the last record still being written
+        return False
 
 
 def records(path: str | Path) -> Iterator[pb.Record]:

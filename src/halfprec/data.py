@@ -408,6 +408,7 @@ class _RankShare(TorchDataset):
         return len(self.share)
 
     def __getitem__(self, i: int):
-        if self.share[i] < 0:
-            return self.dataset[0][0], IGNORE_LABEL
-        return self.dataset[self.share[i]]
+        if self.share[i] >= 0:
+            return self.dataset[self.share[i]]
+        x, y = self.dataset[0]  # the padding's label has the type of the others: the batches collate
+        return x, torch.full_like(y, IGNORE_LABEL) if torch.is_tensor(y) else IGNORE_LABEL

@@ -32,7 +32,7 @@ from halfprec.checkpoint import (
     set_rng_state,
 )
 from halfprec.config import ConfigError, resolve_device, validate, validate_optimizer
-from halfprec.data import Dataset, TrainBatches, build_dataset
+from halfprec.data import IGNORE_LABEL, Dataset, TrainBatches, build_dataset
 from halfprec.diagnostics import Diagnostics
 from halfprec.distributed import World
 from halfprec.errors import Preempted
@@ -96,16 +96,18 @@ def evaluate(
     share of the samples and the sums are added over ranks."""
     world = world or World()
     model.eval()
-    distributed.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
+    if world.size > 1:
+        distributed.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.int64)
     for x, y in data.val_batches(max(batch_size, 256), device, world.rank, world.size):
         with policy.autocast():
             logits = model(policy.cast_input(x)).float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum")  # padding (IGNORE_LABEL) adds 0
+        loss_sum += F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE_LABEL)  # padding adds 0
         correct += (logits.argmax(1) == y).sum()
     model.train()
-    loss_sum, correct = distributed.sum_over_ranks(torch.stack([loss_sum.double(), correct.double()])).tolist()
+    sums = torch.stack([loss_sum.double(), correct.double()])
+    loss_sum, correct = (distributed.sum_over_ranks(sums) if world.size > 1 else sums).tolist()
     n = len(data.val)
     return {"val/loss": loss_sum / n, "val/acc": correct / n}
 
