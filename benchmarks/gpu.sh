@@ -98,23 +98,20 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || status=1
 cut_short "$rc" "$t" "$out/gpu_tests.log"
 
-# 2. the loop comparison (its tables are rewritten after every row)
-t=$(limit 320 100)
-echo "gpu.sh: compare_loops.py, limit $t s" | tee -a "$out/bench.log"
-timeout -k 10 "$t" "$PY" benchmarks/compare_loops.py --device "$device" ${quick[@]+"${quick[@]}"} \
-    --json "$out/compare_loops.json" --markdown "$out/compare_loops.md" 2>&1 | tee -a "$out/bench.log" | tail -n 60
-rc=${PIPESTATUS[0]}
-[ "$rc" -eq 0 ] || status=1
-cut_short "$rc" "$t" "$out/compare_loops.md"
-
-# 3. peak memory per precision mode against the estimate (~1 min)
-t=$(limit 100 0)
-echo "gpu.sh: memory.py, limit $t s" | tee -a "$out/bench.log"
-timeout -k 10 "$t" "$PY" benchmarks/memory.py --device "$device" ${quick[@]+"${quick[@]}"} \
-    --json "$out/memory.json" --markdown "$out/memory.md" 2>&1 | tee -a "$out/bench.log" | tail -n 30
-rc=${PIPESTATUS[0]}
-[ "$rc" -eq 0 ] || status=1
-cut_short "$rc" "$t" "$out/memory.md"
+# bench SCRIPT MAX RESERVE: one benchmark at --device, its tables in OUT_DIR (rewritten after every
+# row, so a run cut short keeps what it measured), its whole output in bench.log
+bench() {
+    local name=${1%.py} t
+    t=$(limit "$2" "$3")
+    echo "gpu.sh: $1, limit $t s" | tee -a "$out/bench.log"
+    timeout -k 10 "$t" "$PY" "benchmarks/$1" --device "$device" ${quick[@]+"${quick[@]}"} \
+        --json "$out/$name.json" --markdown "$out/$name.md" 2>&1 | tee -a "$out/bench.log" | tail -n 60
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || status=1
+    cut_short "$rc" "$t" "$out/$name.md"
+}
+bench compare_loops.py 320 100 # 2. the loop comparison
+bench memory.py 100 0          # 3. peak memory per precision mode against the estimate (~1 min)
 
 echo "gpu.sh: results in $out after $SECONDS s (exit $status)"
 exit $status
