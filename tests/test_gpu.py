@@ -74,7 +74,7 @@ def test_the_training_loop_adds_no_host_sync_between_logged_steps(precision, tmp
     # step alone: two runs that differ by 10 steps that log nothing differ by exactly the 10 skip
     # decisions; build, the first step, the logged rows, the final validation and checkpoint are
     # the same in both
-    def syncs(max_steps: int) -> int:
+    def syncs(max_steps: int, name: str) -> int:
         overrides = [f"precision={precision}", "trainer.device=cuda", f"trainer.max_steps={max_steps}"]
         overrides += ["trainer.log_every=1000", "trainer.val_every=0", "trainer.ckpt_every=0"]
         torch.cuda.synchronize()
@@ -82,14 +82,14 @@ def test_the_training_loop_adds_no_host_sync_between_logged_steps(precision, tmp
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                run(compose_cfg(*overrides), tmp_path / str(max_steps))
+                run(compose_cfg(*overrides), tmp_path / name)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         return sum("synchroniz" in str(w.message) for w in caught)
 
-    syncs(3)  # first uses (cuBLAS handles, allocator, both skip checks: step 2 logs nothing) out of the way
-    short = syncs(3)
-    assert syncs(13) - short == 10
+    syncs(3, "warm-up")  # first uses (cuBLAS handles, allocator, both skip checks: step 2 logs nothing)
+    short = syncs(3, "short")
+    assert syncs(13, "long") - short == 10
 
 
 @pytest.mark.skipif(
