@@ -393,7 +393,8 @@ def eval_batches(
     x, y = split.x, split.y
     if world_size > 1:
         share = rank_share(len(y), rank, world_size)
-        x, y = x[share.clamp(min=0)], torch.where(share >= 0, y[share.clamp(min=0)], IGNORE_LABEL)
+        index = share.clamp(min=0)  # padding (-1) reads sample 0, and gets the ignored label
+        x, y = x[index], torch.where(share >= 0, y[index], IGNORE_LABEL)
     for i in range(0, len(y), batch_size):
         yield x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
 

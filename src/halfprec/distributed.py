@@ -178,13 +178,11 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The mean of a per-rank scalar on the device (the loss of each rank's slice); itself without DDP."""
     if not dist.is_initialized():
         return value
-    total = value.detach().float().clone()
-    dist.all_reduce(total)
-    return total / dist.get_world_size()
+    return sum_over_ranks(value.detach().float().clone()) / dist.get_world_size()
 
 
 def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of a per-rank tensor on the device; itself without DDP/FSDP."""
+    """The sum over ranks of a per-rank tensor on the device, in place; itself without DDP/FSDP."""
     if dist.is_initialized():
         dist.all_reduce(value)
     return value
