@@ -84,6 +84,11 @@ from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute
 from halfprec.step import optimizer_step  # noqa: E402
 from halfprec.train import Components, build, build_optimizer, build_scheduler  # noqa: E402
 
+try:
+    from halfprec.perf import math_kind, peak_tflops  # noqa: E402
+except ImportError:  # an A/B run against a checkout older than halfprec/perf.py (CPU: no MFU anyway)
+    math_kind, peak_tflops = None, None
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CONTENDERS = ("halfprec", "raw", "lightning", "accelerate")
 FRAMEWORKS = CONTENDERS[2:]
@@ -144,16 +149,6 @@ DEFAULT_SCHEDULE = {"cpu": (1.0, 11, 5), "cuda": (0.75, 3, 3), "quick": (0.2, 3,
 # not a framework mode: it is set by halfprec's policy before every block, for every contender.
 LIGHTNING_PRECISION = {"fp32": "32-true", "tf32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
 ACCELERATE_PRECISION = {"fp32": "no", "tf32": "no", "fp16": "fp16", "bf16": "bf16"}
-
-# Dense (no sparsity) peak TFLOP/s from NVIDIA's data sheets: (fp32, tf32, fp16/bf16 tensor cores).
-# Matched against torch.cuda.get_device_name() in order: every word of the key must appear.
-PEAK_TFLOPS = {
-    "H200": (67.0, 494.7, 989.4),  # H200 SXM
-    "H100 PCIe": (51.2, 378.0, 756.0),
-    "H100": (67.0, 494.7, 989.4),  # H100 SXM
-    "A100": (19.5, 156.0, 312.0),
-}
-
 
 # ---------------------------------------------------------------- the contenders
 
@@ -515,19 +510,6 @@ def flops_per_image(model_cfg: DictConfig, work: Workload, device: torch.device)
     return counter.get_total_flops() / 2
 
 
-def peak_tflops(device: torch.device, precision: str) -> tuple[str, float] | None:
-    """(matched GPU, dense peak TFLOP/s for the mode), or None where the chip is not in the table."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    if "NVL" in name:  # the NVL boards (H100 NVL, H200 NVL) have lower peaks than the SXM ones listed
-        return None
-    for key, (fp32, tf32, half) in PEAK_TFLOPS.items():
-        if all(word in name for word in key.split()):
-            return key, {"fp32": fp32, "tf32": tf32}.get(precision, half)
-    return None
-
-
 def compose_cfg(work: Workload, precision: str, device: torch.device, clip: float | None) -> DictConfig:
     shape = ",".join(str(d) for d in work.input_shape)
     overrides = [
@@ -684,7 +666,7 @@ def measure(
                 peak_bytes[loop.name] = max(peak_bytes[loop.name], torch.cuda.max_memory_allocated(device) - others)
 
     raw = raw_loop(loops)
-    peak = peak_tflops(device, precision)
+    peak = peak_tflops(device, math_kind(c.policy)) if peak_tflops else None
     for loop in loops:
         r = results[loop.name]
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)

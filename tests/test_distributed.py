@@ -26,6 +26,11 @@ def final_weights(run_dir):
     return ckpt["model"]
 
 
+def step_flops(rows: list[dict]) -> set[int]:
+    """The FLOPs per optimizer step behind each row's perf/tflops (perf/step_ms has the same clock)."""
+    return {round(r["perf/tflops"] * 1e9 * r["perf/step_ms"]) for r in rows if "perf/tflops" in r}
+
+
 def test_two_process_ddp_equals_one_process_with_twice_the_batch(tmp_path):
     ddp = torchrun(tmp_path, "trainer=ddp", "data.batch_size=8", "accum=2", f"hydra.run.dir={tmp_path / 'ddp'}")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
@@ -42,6 +47,7 @@ def test_two_process_ddp_equals_one_process_with_twice_the_batch(tmp_path):
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["effective_batch"] == 8 * 2 * 2 and summary["world_size"] == 2  # micro-batch x accum x world
     assert [r["samples"] for r in rows_ddp] == [r["samples"] for r in rows_one]
+    assert step_flops(rows_ddp) == {step_flops(rows_one).pop() // 2}  # perf/tflops is per process
     # each rank evaluated its share of the validation set; the sums over ranks are the whole set's
     assert rows_ddp[-1]["val/loss"] == pytest.approx(rows_one[-1]["val/loss"], abs=1e-6)
     assert rows_ddp[-1]["val/acc"] == rows_one[-1]["val/acc"]
@@ -97,6 +103,7 @@ def test_two_process_fsdp_equals_one_process_with_twice_the_batch(tmp_path):
     assert [r["train/loss"] for r in rows_fsdp] == pytest.approx([r["train/loss"] for r in rows_one], abs=1e-6)
     assert rows_fsdp[-1]["val/loss"] == pytest.approx(rows_one[-1]["val/loss"], abs=1e-6)
     assert rows_fsdp[-1]["val/acc"] == rows_one[-1]["val/acc"]
+    assert step_flops(rows_fsdp) == {step_flops(rows_one).pop() // 2}  # counted on the gathered weights
 
 
 def test_fsdp_bf16_policy_trains_skips_together_and_resumes_at_another_world_size(tmp_path):

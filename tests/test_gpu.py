@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from halfprec.perf import peak_tflops
 from halfprec.train import run
 
 from helpers import DTYPES, batch, build_from, compose_cfg, step, torchrun
@@ -20,6 +21,11 @@ def test_precision_mode_on_cuda(precision, tmp_path):
     assert (summary["precision/compute_dtype"], summary["precision/param_dtype"]) == DTYPES[precision]
     assert summary["val/acc"] > 0.9
     assert summary["scaler/skipped_steps"] <= 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    perf = [r for r in rows if "perf/tflops" in r]
+    assert perf and all(r["perf/tflops"] > 0 for r in perf)
+    if peak_tflops(torch.device("cuda"), "half"):  # a chip in the table: MFU, a fraction of its peak
+        assert all(0 < r["perf/mfu"] < 1 for r in perf), [r["perf/mfu"] for r in perf]
 
 
 def test_tf32_flag_is_set_only_for_tf32(tmp_path):

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import read_jsonl
 
-from halfprec.report import find_jobs
+from halfprec.report import find_jobs, job_metrics
 
 import wandb_records
 
-METRICS = ["train/loss", "val/loss", "val/acc", "skipped steps", "min scale", "final scale", "samples/s"]
+METRICS = ["train/loss", "val/loss", "val/acc", "skipped steps", "min scale", "final scale", "samples/s", "MFU"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -102,8 +102,21 @@ def test_sweep_table_has_a_row_per_job_with_values_from_metrics_jsonl(sweep, swe
         assert float(row["final scale"]) == last["scaler/scale"]
         steady = [r["perf/samples_per_s"] for r in metrics if r["step"] != 1]
         assert float(row["samples/s"]) == pytest.approx(statistics.median(steady), abs=0.5)
+        assert row["MFU"] == "-"  # no peak for a CPU: never logged
     assert rows[0]["min scale"] == "1" and rows[2]["min scale"] == "65536"  # scaler=auto: dynamic for fp16
     assert "- job 1: ConfigError: init=fixup: model=mlp has no residual branches" in sweep_report.stdout
+
+
+def test_throughput_columns_are_medians_without_the_warm_up_row():
+    rows = [
+        {"step": 1, "perf/samples_per_s": 10.0, "perf/mfu": 0.01},  # step 1: compile, allocator warm-up
+        {"step": 10, "perf/samples_per_s": 400.0, "perf/mfu": 0.4},
+        {"step": 20, "perf/samples_per_s": 500.0, "perf/mfu": 0.5},
+        {"step": 30, "perf/samples_per_s": float("nan"), "perf/mfu": 0.45},
+    ]
+    metrics = job_metrics(rows, {})
+    assert (metrics["samples/s"], metrics["MFU"]) == (450.0, 0.45)
+    assert job_metrics(rows[:1], {})["MFU"] == 0.01  # a run with one row: that row
 
 
 def test_sweep_report_writes_plots_and_report_md(sweep, sweep_report):

@@ -65,7 +65,7 @@ SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_s
 LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
 TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "nonfinite",
                 "deterministic", "progress", "inject_nonfinite_at", "loss_weight", "distributed", "compile",
-                "channels_last")  # fmt: skip
+                "channels_last", "count_flops")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -224,6 +224,7 @@ def validate(cfg: DictConfig) -> None:
             "precision.reduce_dtype", reduce_dtype, "applies to trainer=fsdp only (DDP and one process reduce in fp32)"
         )
     _need(cfg, "trainer.compile", lambda v: isinstance(v, bool), "must be true or false (torch.compile the model)")
+    _need(cfg, "trainer.count_flops", lambda v: isinstance(v, bool), "must be true or false (perf/tflops, perf/mfu)")
     _one_of(cfg, "trainer.channels_last", ("auto", True, False), " (auto: conv nets on CUDA)")
     _need(cfg, "trainer.loss_weight", lambda v: _is_num(v) and v > 0, "must be a number > 0 (1.0 = the plain loss)")
     _one_of(cfg, "trainer.nonfinite", ("skip", "abort"), " (what a non-finite step does when nothing scales the loss)")

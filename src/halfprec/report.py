@@ -34,6 +34,7 @@ METRIC_FORMATS = {
     "min scale": ".10g",
     "final scale": ".10g",
     "samples/s": ".0f",
+    "MFU": ".3f",
 }
 LINE_STYLES = ["-", "--", "-.", ":"]
 
@@ -175,11 +176,11 @@ def smallest(rows: list[dict], key: str) -> float | None:
     return min(values) if values else None
 
 
-def steady_throughput(rows: list[dict]) -> float | None:
-    """Median samples/s over the rows, leaving out the step-1 row (warm-up) when there are others."""
-    timed = [row for row in rows if "perf/samples_per_s" in row]
+def steady_median(rows: list[dict], key: str) -> float | None:
+    """Median of a perf/ metric over the rows, leaving out the step-1 row (warm-up) when there are others."""
+    timed = [row for row in rows if key in row]
     steady = [row for row in timed if row["step"] != 1] or timed
-    values = [row["perf/samples_per_s"] for row in steady if math.isfinite(row["perf/samples_per_s"])]
+    values = [row[key] for row in steady if math.isfinite(row[key])]
     return statistics.median(values) if values else None
 
 
@@ -193,7 +194,8 @@ def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
         "skipped steps": final(rows, "scaler/skipped_steps"),
         "min scale": summary.get("scaler/min_scale", smallest(rows, "scaler/scale")),
         "final scale": final(rows, "scaler/scale"),
-        "samples/s": steady_throughput(rows),
+        "samples/s": steady_median(rows, "perf/samples_per_s"),
+        "MFU": steady_median(rows, "perf/mfu"),  # GPUs in halfprec/perf.py's table only
     }
 
 

@@ -38,6 +38,7 @@ from halfprec.distributed import World
 from halfprec.errors import Preempted
 from halfprec.init import apply_init
 from halfprec.models import create_model
+from halfprec.perf import math_kind, peak_tflops
 from halfprec.precision import COMPUTE_TYPES, OptimizerParams, PrecisionPolicy, observe_compute_dtypes
 from halfprec.progress import Progress
 from halfprec.scaling import LossScaler, TrainingAborted, build_scaler
@@ -167,6 +168,14 @@ def use_channels_last(choice: str | bool, model: nn.Module, device: torch.device
     return bool(choice)
 
 
+def count_flops() -> contextlib.AbstractContextManager:
+    """torch's FLOP counter (matmuls, convolutions, attention; from shapes, no host sync), for the
+    first step only: it sees every op through Python dispatch, which would slow every step."""
+    from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports; not for --help or a config error
+
+    return FlopCounterMode(display=False)
+
+
 def inject_nonfinite_grad(model: nn.Module, accum: int):
     """Make the window's last micro-batch produce inf gradients in the first Linear/Conv layer, for
     checking the skip path end to end. Through a hook on that layer's output gradient, so the
@@ -287,6 +296,8 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
     model.train()
     abort_on_nonfinite = t.nonfinite == "abort" and scaler.kind == "none"
     diag = Diagnostics(cfg.diagnostics, model, params)
+    step_flops = 0  # this rank's forward + backward FLOPs per optimizer step, counted on the first step
+    peak = peak_tflops(c.device, math_kind(policy))  # None on a CPU or a chip not in the table
 
     def save(name: str | None = None) -> Path:
         if torch.is_tensor(loop.clean_loss_sum):
@@ -316,6 +327,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
             # under DDP on rank 0 only: the other ranks must skip the step all the same
             injected = inject_nonfinite_grad(model, cfg.accum) if step in inject and main else None
             watch = observe_compute_dtypes(model) if step == first else contextlib.nullcontext()
+            flops = count_flops() if step == first and t.count_flops else contextlib.nullcontext()
             due = diag.due(step)
             acts = diag.watch_activation_gradients(scaler.scale) if due and diag.activations else None
             scale_before = scaler.scale
@@ -324,7 +336,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
             hooked = step == first or injected is not None or acts is not None
             net = c.compiled if c.compiled is not None and not hooked else c.net or model
             try:
-                with watch as seen, acts or contextlib.nullcontext():
+                with watch as seen, acts or contextlib.nullcontext(), flops as counter:
                     result = optimizer_step(
                         net,
                         micro,
@@ -345,6 +357,8 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                     injected.remove()
             if result.skipped and abort_on_nonfinite:
                 raise crash(Exception("non-finite gradients and trainer.nonfinite=abort"), result.culprit)
+            if counter is not None:
+                step_flops = counter.get_total_flops()
             row = {}
             if step == first:  # never silently train in another precision than asked (also on resume)
                 dtypes = policy.check(model, seen, params.master)
@@ -383,6 +397,10 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                         "perf/step_ms": 1000 * (now - last_time) / n,
                     }
                 )
+                if step_flops:  # matmuls, convolutions, attention; not the optimizer's elementwise math
+                    row["perf/tflops"] = step_flops * n / (now - last_time) / 1e12
+                    if peak is not None:
+                        row["perf/mfu"] = row["perf/tflops"] / peak[1]
                 if c.device.type == "cuda":
                     row["perf/max_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
                 loop.clean_loss_sum, loop.clean_steps = 0.0, 0
