@@ -34,6 +34,12 @@ def step(c: Components, micro, clip=None, compute_norm=True):
     )
 
 
+def flops_per_step(row: dict) -> float:
+    """The FLOPs per optimizer step behind a metric row's perf/tflops (perf/step_ms, from the same
+    clock readings, gives the time per step)."""
+    return row["perf/tflops"] * 1e12 * row["perf/step_ms"] / 1000
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 

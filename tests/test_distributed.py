@@ -16,7 +16,7 @@ import torch
 from conftest import read_jsonl
 
 import wandb_records
-from helpers import TINY, TRAIN, torchrun
+from helpers import TINY, TRAIN, flops_per_step, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -27,8 +27,8 @@ def final_weights(run_dir):
 
 
 def step_flops(rows: list[dict]) -> set[int]:
-    """The FLOPs per optimizer step behind each row's perf/tflops (perf/step_ms has the same clock)."""
-    return {round(r["perf/tflops"] * 1e9 * r["perf/step_ms"]) for r in rows if "perf/tflops" in r}
+    """The FLOPs per optimizer step behind the rows' perf/tflops, one value if every row agrees."""
+    return {round(flops_per_step(r)) for r in rows if "perf/tflops" in r}
 
 
 def test_two_process_ddp_equals_one_process_with_twice_the_batch(tmp_path):
