@@ -122,6 +122,7 @@ DEEP = ["model=fixup_resnet", "model.blocks_per_stage=7", "precision=fp16", "dat
         "sched=constant", "trainer.max_steps=100", "trainer.val_every=0", "trainer.log_every=10"]  # fmt: skip
 
 
+@pytest.mark.slow  # ~45 s on 2 cores: 4 runs of 100 steps on an 18-block ResNet
 def test_deep_norm_free_net_trains_in_fp16_with_fixup_but_not_with_kaiming(tmp_path):
     """21 residual blocks, no normalization, fp16 autocast + dynamic scaling (Zhang et al. 2019).
 
