@@ -3,40 +3,23 @@
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from halfprec.config import ConfigError, validate
-from halfprec.errors import InitError, PrecisionMismatch, Preempted, TrainingAborted
-
-# What each user-facing failure prints and exits with (README, "Errors").
-EXIT_CODES = {
-    ConfigError: (2, "error"),  # a config value that cannot work
-    InitError: (2, "error"),
-    TrainingAborted: (3, "error: training stopped"),  # skip storm, scale floor, nonfinite=abort
-    PrecisionMismatch: (3, "error: training stopped"),
-    Preempted: (4, "stopped"),  # SIGTERM/SIGUSR1 after a checkpoint: resumable
-}
+from halfprec.config import validate
+from halfprec.exits import job_errors, run_cli
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    try:
+    with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
         validate(cfg)  # a bad value fails before any data or model is built
         from halfprec.train import run
 
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except tuple(EXIT_CODES) as err:
-        code, prefix = next(v for cls, v in EXIT_CODES.items() if isinstance(err, cls))
-        print(f"{prefix}: {err}", file=sys.stderr)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            # let Hydra mark this job failed (sweep.jsonl) and run the others; an exit here
-            # would end the whole sweep at the first bad combination
-            raise
-        sys.exit(code)
     return summary[cfg.objective]  # the sweep metric (hparams_search=optuna maximizes val/acc)
 
 
@@ -45,4 +28,5 @@ if __name__ == "__main__":
         # torchrun: rank 0's Hydra run dir is the run's (shared with the others after the process
         # group is up); the other ranks get a scratch dir so that no stray run dirs appear
         sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='halfprec-rank-')}", "hydra.output_subdir=null"]
-    main()
+    # every way a run or sweep ends becomes an exit code and one line (halfprec/exits.py)
+    sys.exit(run_cli(main, Path(__file__).resolve().parent / "conf", sys.argv[1:]))

@@ -221,6 +221,11 @@ def test_promised_command_runs(command, runs):
     assert all(r["samples"] == r["step"] * 16 * accum for r in rows)
     assert math.isfinite(rows[-1]["train/loss"]) and "val/acc" in rows[-1]
 
+    # It says where it writes, first and in its last line; no empty <job>.log beside metrics.jsonl.
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"run dir: {result.run_dir}"
+    assert lines[-1].startswith("done: 3 steps in ") and lines[-1].endswith(f" | {result.run_dir}")
+    assert not list(result.run_dir.glob("*.log"))
     # The W&B run lives under the run dir; nothing else is written next to it (no ./wandb, ./outputs).
     assert [p.name for p in result.cwd.iterdir()] == ["run"]
     (run_file,) = wandb_records.run_files(result.run_dir)
@@ -336,7 +341,10 @@ def test_injected_inf_is_skipped_counted_and_reaches_wandb(runs, monkeypatch):
     assert config["precision"]["name"] == "fp16" and config["accum"] == 2
     assert config["trainer"]["inject_nonfinite_at"] == [3]
     monkeypatch.setenv("WANDB_MODE", "offline")  # what the run resolved ${oc.env:WANDB_MODE,...} to
-    assert config == OmegaConf.to_container(OmegaConf.load(result.run_dir / ".hydra/config.yaml"), resolve=True)
+    composed = OmegaConf.to_container(OmegaConf.load(result.run_dir / ".hydra/config.yaml"), resolve=True)
+    assert composed["trainer"]["threads"] == "auto" and config["trainer"]["threads"] == summary["threads"] == 1
+    composed["trainer"]["threads"] = summary["threads"]  # the number `auto` became (OMP_NUM_THREADS=1 here)
+    assert config == composed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,12 +354,18 @@ def test_injected_inf_is_skipped_counted_and_reaches_wandb(runs, monkeypatch):
 # overrides -> (exit code, or None for any non-zero one; substrings the message must contain)
 BAD = {
     "accum=0": (2, ["accum=0"]),
-    "precision=fp17": (1, ["precision/fp17", "fp16", "bf16", "fp32"]),  # Hydra's error lists the options
+    "precision=fp17": (2, ["precision=fp17: no such option", "did you mean precision=fp16?", "bf16, bf16_pure"]),
+    "precision=bf-16": (2, ["precision=bf-16", "did you mean precision=bf16?"]),
+    "+experiment=fixup": (2, ["experiment=fixup", "did you mean experiment=deep_fixup?", "loss_scaling"]),
     "init=fixup": (2, ["fixup", "model=fixup_resnet"]),
     "trainer.device=cuda": (2, ["trainer.device=cuda"]),
     "precision=tf32": (2, ["tf32", "CUDA"]),
     "precision=fp8": (2, ["precision=fp8", "compute capability 8.9+", "fp8_emulate=true"]),
-    "trainer.max_step=3": (1, ["trainer.max_step"]),  # Hydra's error
+    "trainer.max_step=3": (2, ["trainer.max_step=3: unknown key for trainer; did you mean max_steps?"]),
+    "scaler.scal=64": (2, ["scaler.scal=64: unknown key for scaler.kind=auto", "init_scale"]),
+    "optim=adamw optim.momentum=0.9": (2, ["optim.momentum=0.9: unknown key for AdamW", "betas"]),
+    "optim=adamw optim.amsgrad=true": (2, ["optim.amsgrad=true: not a key of the config", "+optim.amsgrad=true"]),
+    "model=timm model.name=resnet1": (2, ["model.name=resnet1: no such timm model; did you mean resnet18"]),
     "accum=abc": (None, ["accum=abc"]),
     "scaler=static scaler.scale=-1": (None, ["scaler.scale=-1"]),
 }
@@ -377,9 +391,8 @@ def test_bad_value_stops_with_a_clear_message(bad, bad_runs):
     assert "Traceback" not in result.output
     for needle in needles:
         assert needle.lower() in result.stderr.lower(), f"{needle!r} not in:\n{result.stderr}"
-    if result.returncode == 2:  # our own validation: one line, `error: key=value: what would work`
-        (line,) = result.stderr.strip().splitlines()
-        assert line.startswith("error: ")
+    (line,) = result.stderr.strip().splitlines()  # one line, `error: key=value: what would work`
+    assert line.startswith("error: ")
     assert not (result.run_dir / "metrics.jsonl").exists(), "it must stop before training"
 
 
@@ -401,7 +414,11 @@ def test_appended_unknown_key_is_rejected(override):
 
 def test_multirun_records_every_job_in_sweep_jsonl_and_a_bad_job_does_not_stop_the_others(cli):
     result = cli.run("init=fixup,default", "model.hidden=[16]", multirun=True)
-    assert result.returncode != 0  # Hydra reports the failed job at the end of the sweep
+    assert result.returncode == 5 and "Traceback" not in result.output  # a sweep with a failed job
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"sweep: 1 completed, 1 failed; {result.sweep_dir}/sweep.jsonl (exit 5)"
+    )
     lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
     by_status = {line["status"]: line for line in lines}
     assert len(lines) == 2 and set(by_status) == {"completed", "failed"}

@@ -106,6 +106,7 @@ def test_two_process_fsdp_equals_one_process_with_twice_the_batch(tmp_path):
     assert step_flops(rows_fsdp) == {step_flops(rows_one).pop() // 2}  # counted on the gathered weights
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_policy_trains_skips_together_and_resumes_at_another_world_size(tmp_path):
     run_dir = tmp_path / "run"
     common = ["trainer=fsdp", "precision=bf16", "logger=none", "data.batch_size=8", "trainer.inject_nonfinite_at=[2]"]
@@ -165,8 +166,11 @@ def worker_pid(agent_pid: int, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
-def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path):
-    # SIGTERM to rank 1 alone: without an agreement rank 0 would train on and hang in the next all-reduce
+@pytest.mark.parametrize("how", [pytest.param("SIGTERM to rank 1", marks=pytest.mark.slow), "Ctrl-C"])
+def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path, how):
+    # SIGTERM to rank 1 alone: without an agreement rank 0 would train on and hang in the next all-reduce.
+    # Ctrl-C as a terminal sends it: to torchrun's process group; the workers have sessions of their
+    # own, and torchrun hands the SIGINT on to each of them
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(TRAIN), *TINY]
     args += [
@@ -185,9 +189,12 @@ def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
         while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
             assert time.monotonic() < deadline and agent.poll() is None, "the run did not start"
             time.sleep(0.2)
-        pid = worker_pid(agent.pid, rank=1)
-        assert pid is not None
-        os.kill(pid, signal.SIGTERM)
+        if how == "Ctrl-C":
+            os.killpg(agent.pid, signal.SIGINT)
+        else:
+            pid = worker_pid(agent.pid, rank=1)
+            assert pid is not None
+            os.kill(pid, signal.SIGTERM)
         _, stderr = agent.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):  # nothing left of the group: all exited
@@ -196,6 +203,12 @@ def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
     assert agent.returncode == 1  # torchrun's own code when a worker exits non-zero (each worker: 4)
     (ckpt,) = (run_dir / "checkpoints").glob("step-*.pt")
     stopped_at = int(ckpt.stem.split("-")[1])
+    if how == "Ctrl-C":
+        stops = [line for line in stderr.splitlines() if line.startswith("stopped: ")]  # one per rank
+        assert len(stops) == 2 and all(f" at step {stopped_at}: saved" in line for line in stops), stops
+        assert any(line.startswith("stopped: Ctrl-C at step") for line in stops)
+        assert stderr.count("Ctrl-C again to quit now") == 1  # rank 0 says so for the run
+        return
     assert f"stopped: SIGTERM at step {stopped_at}" in stderr  # rank 1
     assert f"stopped: a stop signal on another rank at step {stopped_at}" in stderr  # rank 0, same step
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == stopped_at < 100000

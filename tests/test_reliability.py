@@ -1,6 +1,8 @@
 """Preemption, non-finite policy and crash reports, corrupt checkpoints, W&B failures, secrets."""
 
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -8,7 +10,7 @@ import time
 
 import pytest
 from conftest import read_jsonl
-from test_resume import FP32, train_cmd, without_perf
+from test_resume import FP32, TRAIN, train_cmd, without_perf
 
 from halfprec.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.config import ConfigError
@@ -19,26 +21,68 @@ import wandb_records
 from helpers import compose_cfg
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def wait_for_rows(metrics, proc: subprocess.Popen, rows: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > rows):
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before the signal: make it longer"
+
+
+@pytest.mark.parametrize(
+    "signum",
+    [
+        pytest.param(signal.SIGTERM, marks=pytest.mark.slow, id="SIGTERM"),  # ~14 s each, one code path:
+        pytest.param(signal.SIGUSR1, marks=pytest.mark.slow, id="SIGUSR1"),  # Ctrl-C's runs by default
+        pytest.param(signal.SIGINT, id="Ctrl-C"),
+    ],
+)
 def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, signum):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run(train_cmd(straight, *FP32), check=True, capture_output=True)
-    proc = subprocess.Popen(train_cmd(stopped, *FP32), stderr=subprocess.PIPE, text=True)
-    metrics, deadline = stopped / "metrics.jsonl", time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 20):
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run ended before the signal: make it longer"
-    os.kill(proc.pid, signum)
+    # a session of its own: Ctrl-C in a terminal signals the whole foreground process group
+    proc = subprocess.Popen(train_cmd(stopped, *FP32), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_rows(stopped / "metrics.jsonl", proc, 20)
+    os.killpg(proc.pid, signum)
     _, err = proc.communicate(timeout=60)
 
     assert proc.returncode == 4, err
-    assert f"{signal.Signals(signum).name} at step" in err and "resume=auto" in err and "Traceback" not in err
+    assert err.splitlines()[0] == f"run dir: {stopped}"  # logger=none too
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    assert f"stopped: {name} at step" in err and "Traceback" not in err
+    if signum == signal.SIGINT:
+        assert "Ctrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit now" in err
+    metrics = stopped / "metrics.jsonl"
     stopped_at = load_checkpoint(checkpoint_files(stopped / "checkpoints")[-1])["step"]
     last_row = read_jsonl(metrics)[-1]["step"]
     assert last_row <= stopped_at < min(last_row + 5, 400)  # saved at the step it stopped (rows every 5)
-    resumed = subprocess.run(train_cmd(stopped, *FP32, "resume=auto"), capture_output=True, text=True)
+    # the exact command it printed continues the run
+    command = shlex.split(err.split("continue with: ", 1)[1].splitlines()[0])
+    assert command == ["python", "train.py", *train_cmd(stopped, *FP32)[2:], "resume=auto"]
+    resumed = subprocess.run([sys.executable, str(TRAIN), *command[2:]], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
+    assert f"resume: from {stopped / 'checkpoints' / f'step-{stopped_at:08d}.pt'} at step {stopped_at} of 400" in (
+        resumed.stderr
+    )
     assert without_perf(read_jsonl(metrics)) == without_perf(read_jsonl(straight / "metrics.jsonl"))
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_traceback(tmp_path):
+    """Steps of ~0.1 s or more: the second Ctrl-C arrives while the first one waits for its step to end."""
+    cmd = train_cmd(tmp_path, "model.hidden=[2048,2048]", "data.batch_size=1024", "trainer.max_steps=1000")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_rows(tmp_path / "metrics.jsonl", proc, 0)
+    os.killpg(proc.pid, signal.SIGINT)
+    lines = []
+    for line in proc.stderr:  # the first Ctrl-C is acknowledged at once, mid-step
+        lines.append(line)
+        if "Ctrl-C again to quit now" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    err = "".join(lines) + proc.stderr.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted: quit without saving" in err and "Traceback" not in err
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step-*"))
 
 
 def test_nonfinite_abort_without_a_scaler_saves_a_crash_checkpoint_and_names_the_culprit(tmp_path):
@@ -51,6 +95,39 @@ def test_nonfinite_abort_without_a_scaler_saves_a_crash_checkpoint_and_names_the
     crash = load_checkpoint(tmp_path / "checkpoints" / "crash-step-00000007.pt")
     assert all(t.isfinite().all() for t in crash["model"].values())  # never NaN weights
     assert checkpoint_files(tmp_path / "checkpoints") == []  # resume=auto does not pick a crash file
+
+
+def test_a_run_that_ends_with_a_nonfinite_loss_diverged(tmp_path):
+    """Without the skip limits a diverging run trains to its last step; a NaN loss there is no result."""
+    cfg = compose_cfg("optim.lr=1e6", "trainer.max_steps=30", "scaler.max_consecutive_skips=null",
+                      "scaler.max_overflow_rate=null")  # fmt: skip
+    with pytest.raises(TrainingAborted, match=r"step 30: the run ended with val/loss = nan; the run is diverging"):
+        run(cfg, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"], summary["steps"]) == ("diverged", 3, 30)
+    assert summary["val/loss"] is None  # strict JSON: NaN is written as null
+    assert checkpoint_files(tmp_path / "checkpoints")[-1].name == "step-00000030.pt"
+
+
+def test_a_stopped_run_is_recorded_as_stopped_and_its_wandb_run_as_resumable(tmp_path, monkeypatch):
+    from halfprec import train
+    from halfprec.errors import Preempted
+
+    def step_then_signal(*args, **kwargs):  # SIGTERM arrives during step 3
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return real_step(*args, **kwargs)
+
+    calls, real_step = [], train.optimizer_step
+    monkeypatch.setattr(train, "optimizer_step", step_then_signal)
+    with pytest.raises(Preempted, match="SIGTERM at step 3"):
+        run(compose_cfg("logger=wandb", "trainer.max_steps=10"), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["exit_code"]) == ("stopped", 3, 4)
+    (run_file,) = wandb_records.run_files(tmp_path)
+    assert wandb_records.exit_codes(run_file) == [0]  # preempted, not failed: it resumes
+    assert checkpoint_files(tmp_path / "checkpoints")[-1].name == "step-00000003.pt"
 
 
 def test_nonfinite_skip_is_the_default(tmp_path):

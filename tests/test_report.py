@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -10,12 +11,15 @@ import struct
 import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from conftest import read_jsonl
 
-from halfprec.report import find_jobs, job_metrics
+from halfprec.report import find_jobs, job_metrics, line_figure, write_report
 
 import wandb_records
 
@@ -34,11 +38,23 @@ def report(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
+def parse_tables(markdown: str) -> list[tuple[list[str], list[dict[str, str]]]]:
+    """Each markdown table's header and its rows as {column: cell}, in order."""
+    tables, lines = [], markdown.splitlines() + [""]
+    start = None
+    for i, line in enumerate(lines):
+        if line.startswith("|") and start is None:
+            start = i
+        elif not line.startswith("|") and start is not None:
+            header, *rows = ([cell.strip() for cell in row.strip("|").split("|")] for row in lines[start:i])
+            tables.append((header, [dict(zip(header, row)) for row in rows[1:]]))  # rows[0] is the |---| line
+            start = None
+    return tables
+
+
 def parse_table(markdown: str) -> tuple[list[str], list[dict[str, str]]]:
-    """The markdown table's header and its rows as {column: cell}."""
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
-    header, *rows = ([cell.strip() for cell in line.strip("|").split("|")] for line in lines)
-    return header, [dict(zip(header, row)) for row in rows[1:]]  # rows[0] is the |---| line
+    """The per-job table (the last one: a per-group table may come first)."""
+    return parse_tables(markdown)[-1]
 
 
 def assert_png(path: Path) -> None:
@@ -68,7 +84,7 @@ def started(cli):
 @pytest.fixture(scope="module")
 def sweep(started):
     result = started["sweep"].result()
-    assert result.returncode == 1, result.output[-4000:]  # Hydra re-raises the first failed job at the end
+    assert result.returncode == 5, result.output[-4000:]  # a sweep with a failed job (exits.SWEEP_FAILED)
     assert len(result.job_dirs()) == 4
     return result
 
@@ -201,3 +217,235 @@ def test_help_is_fast_and_lists_report():
     probe = f"import sys, halfprec.cli, halfprec.report; print(sorted({heavy} & sys.modules.keys()))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert loaded.stdout.strip() == "[]", loaded.stderr
+
+
+# Synthetic sweeps: what Hydra and train.py leave on disk, written directly (no training), so that the
+# plots and tables can be checked on 18+ jobs, diverged runs and exact numbers in well under a second.
+
+
+@dataclass
+class FakeJob:
+    """One job of a synthetic sweep: its overrides and its train/loss at steps 10, 20, ... (None: a
+    non-finite value, written as null as train.py does)."""
+
+    overrides: dict[str, str]
+    loss: list[float | None]
+    status: str = "completed"  # completed, failed, running, or e.g. diverged
+    in_summary: bool = False  # the status goes in summary.json's "status" key rather than sweep.jsonl
+    scale: float = 1.0  # scaler/scale at every row
+    val_acc: float | None = 0.9  # logged with the last row (None: logged as null)
+    error: str = ""  # sweep.jsonl's error for a job that did not complete (default: a divergence)
+
+
+def write_sweep(root: Path, jobs: list[FakeJob], log_every: int = 10) -> Path:
+    """A multirun sweep dir: `<n>_<overrides>/` job dirs with .hydra/overrides.yaml and config.yaml,
+    metrics.jsonl and (for a job that ended) summary.json, and sweep.jsonl lines for ended jobs."""
+    root.mkdir(parents=True, exist_ok=True)
+    sweep_lines = []
+    for num, job in enumerate(jobs):
+        run_dir = root / f"{num}_{','.join(f'{k}={v}' for k, v in job.overrides.items())}"
+        (run_dir / ".hydra").mkdir(parents=True)
+        (run_dir / ".hydra" / "overrides.yaml").write_text(
+            yaml.safe_dump([f"{k}={v}" for k, v in job.overrides.items()])
+        )
+        (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "logger": {"project": "halfprec"}}))
+        rows = [
+            {"step": log_every * (i + 1), "train/loss": loss, "scaler/scale": job.scale, "scaler/skipped_steps": 0}
+            for i, loss in enumerate(job.loss)
+        ]
+        if rows and job.status != "running":
+            rows[-1].update({"val/loss": rows[-1]["train/loss"], "val/acc": job.val_acc})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        if job.status == "completed" or job.in_summary:
+            status = {"status": job.status} if job.in_summary else {}
+            (run_dir / "summary.json").write_text(json.dumps({"scaler/min_scale": job.scale, **status}))
+        if job.status != "running":
+            line = {"job": num, "status": "completed" if job.in_summary else job.status}
+            if job.status != "completed" and not job.in_summary:
+                last = job.loss[-1] if job.loss else None
+                line["error"] = job.error or f"Diverged: train/loss is {last} at step {log_every * len(job.loss)}"
+            sweep_lines.append(json.dumps(line) + "\n")
+    (root / "sweep.jsonl").write_text("".join(sweep_lines))
+    return root
+
+
+def decay(end: float, seed: int = 0, start: float = 2.3, steps: int = 30) -> list[float]:
+    """A loss falling from `start` towards `end`, with a little seed-dependent wobble."""
+    return [(end + (start - end) * math.exp(-i / 6)) * (1 + 0.03 * math.sin(i + 2.0 * seed)) for i in range(steps)]
+
+
+def grid(diverged: float | None = 0.0) -> list[FakeJob]:
+    """precision x scaler x seed, 18 jobs, as `+experiment=loss_scaling` has them (job number order).
+    fp32 trains the same with and without a scaler; fp16 without one stalls. Unless `diverged` is 0.0,
+    fp16/dynamic seed 2 diverges at step 110: its loss becomes `diverged` (None: null)."""
+    ends = {"fp32": 0.1, "fp16": 0.3, "bf16": 0.15}
+    jobs = []
+    for precision in ("fp32", "fp16", "bf16"):
+        for scaler in ("none", "dynamic"):
+            for seed in range(3):
+                end = 2.2 if (precision, scaler) == ("fp16", "none") else ends[precision]
+                overrides = {"precision": precision, "scaler": scaler, "seed": str(seed)}
+                scale = 65536.0 if scaler == "dynamic" else 1.0
+                jobs.append(FakeJob(overrides, decay(end, seed), scale=scale, val_acc=0.95 - end / 10 + seed / 1000))
+    if diverged != 0.0:
+        jobs[11].loss = jobs[11].loss[:10] + [diverged] * 20
+        jobs[11].status = "diverged"
+    return jobs
+
+
+def drawn_lines(fig: Any) -> dict[str, Any]:
+    """The plot's labelled lines by label (one line of text); markers and bands have no label."""
+    return {
+        line.get_label().replace("\n", " "): line
+        for line in fig.axes[0].get_lines()
+        if not line.get_label().startswith("_")
+    }
+
+
+def test_lines_are_coloured_by_override_value_one_distinct_colour_each(tmp_path):
+    from matplotlib.colors import to_hex
+
+    # 12 learning rates x 2 seeds: matplotlib's 10-colour cycle gave lr 11 and 12 the colours of lr 1 and 2
+    lrs = [f"{0.01 * (i + 1):g}" for i in range(12)]
+    jobs = [
+        FakeJob({"optim.lr": lr, "seed": str(s)}, decay(0.1 + 0.1 * i, s)) for i, lr in enumerate(lrs) for s in (0, 1)
+    ]
+    fig = line_figure(find_jobs(write_sweep(tmp_path / "lr", jobs)), "train/loss", "t")
+    lines = drawn_lines(fig)
+    assert sorted(lines) == sorted(f"optim.lr={lr}: mean ± std, n=2" for lr in lrs)
+    assert len({to_hex(line.get_color()) for line in lines.values()}) == 12
+    legend = fig.axes[0].get_legend()
+    assert legend.get_title().get_text().startswith("colour: optim.lr")
+    assert sorted(text.get_text().replace("\n", " ") for text in legend.get_texts()) == sorted(lines)
+
+    # precision x scaler x seed: one colour per precision, one line style per scaler
+    lines = drawn_lines(line_figure(find_jobs(write_sweep(tmp_path / "grid", grid())), "train/loss", "t"))
+    assert len(lines) == 6
+    looks = {tuple(v.split("=")[1] for v in label.split(":")[0].split()): line for label, line in lines.items()}
+    for precision in ("fp32", "fp16", "bf16"):
+        assert to_hex(looks[precision, "none"].get_color()) == to_hex(looks[precision, "dynamic"].get_color())
+        assert looks[precision, "none"].get_linestyle() != looks[precision, "dynamic"].get_linestyle()
+    assert len({to_hex(looks[p, "none"].get_color()) for p in ("fp32", "fp16", "bf16")}) == 3
+    assert len({looks[p, "dynamic"].get_linestyle() for p in ("fp32", "fp16", "bf16")}) == 1
+    # fp32 logs the same losses with and without a scaler: the one drawn first is wider, so both show
+    assert looks["fp32", "none"].get_linewidth() > looks["fp32", "dynamic"].get_linewidth()
+
+
+def test_jobs_differing_only_in_seed_or_not_at_all_draw_one_mean_line_with_a_std_band(tmp_path):
+    import numpy as np
+
+    jobs = [FakeJob({"precision": "fp16", "seed": str(s)}, decay(0.3, s)) for s in range(3)]
+    jobs += [FakeJob({"precision": "bf16"}, decay(0.5, s)) for s in range(2)]  # run twice, same overrides
+    jobs += [FakeJob({"precision": "fp32", "seed": "0"}, decay(0.1))]
+    fig = line_figure(find_jobs(write_sweep(tmp_path, jobs)), "train/loss", "t")
+    lines = drawn_lines(fig)
+    assert sorted(lines) == ["5: precision=fp32", "precision=bf16: mean ± std, n=2", "precision=fp16: mean ± std, n=3"]
+    seeds = np.array([job.loss for job in jobs[:3]])
+    fp16 = lines["precision=fp16: mean ± std, n=3"]
+    assert list(fp16.get_xdata()) == list(range(10, 310, 10))
+    np.testing.assert_allclose(fp16.get_ydata(), seeds.mean(axis=0))
+    # the band around it: mean ± sample std at every step
+    (band,) = [c for c in fig.axes[0].collections if np.allclose(c.get_facecolor()[0][:3], fp16.get_color()[:3])]
+    vertices = band.get_paths()[0].vertices
+    std = seeds.std(axis=0, ddof=1)
+    for step, mean, s in zip(range(10, 310, 10), seeds.mean(axis=0), std):
+        ys = vertices[np.isclose(vertices[:, 0], step), 1]
+        assert (ys.min(), ys.max()) == pytest.approx((mean - s, mean + s))
+
+
+def test_group_table_has_mean_std_and_n_over_completed_seeds_then_the_per_job_table(tmp_path, capsys):
+    jobs = grid(diverged=1e13)
+    jobs[12].val_acc = None  # bf16/none seed 0 logged a non-finite val/acc
+    jobs.append(FakeJob({"precision": "fp8", "scaler": "dynamic", "seed": "0"}, decay(0.4), val_acc=0.8))
+    sweep_dir = write_sweep(tmp_path / "sweep", jobs)
+    assert write_report(sweep_dir, tmp_path / "out") == 0
+    text = capsys.readouterr().out
+    assert (tmp_path / "out" / "report.md").read_text() == text
+    assert text.startswith(f"## {sweep_dir}: 19 jobs, 18 completed, 1 diverged\n")
+    assert "- job 11: Diverged: train/loss is 10000000000000.0 at step 300" in text
+    (group_header, groups), (job_header, per_job) = parse_tables(text)
+    assert group_header == ["precision", "scaler", "jobs", *METRICS, "status"]
+    assert job_header == ["job", "precision", "scaler", "seed", *METRICS, "status"]
+    assert [r["job"] for r in per_job] == [str(n) for n in range(19)]  # every job, as before
+    assert [(g["precision"], g["scaler"], g["jobs"]) for g in groups][:2] == [
+        ("fp32", "none", "0, 1, 2"),
+        ("fp32", "dynamic", "3, 4, 5"),
+    ]
+    accs = [jobs[n].val_acc for n in (0, 1, 2)]
+    mean, std = statistics.fmean(accs), statistics.stdev(accs)
+    assert groups[0]["val/acc"] == f"{mean:.4f} ± {std:.4f} (n=3)" and groups[0]["status"] == "3 completed"
+    assert groups[0]["min scale"] == "1 ± 0 (n=3)" and groups[0]["MFU"] == "-"  # never logged
+    # the diverged seed is left out of the statistics and counted in the status
+    accs = [jobs[n].val_acc for n in (9, 10)]
+    assert groups[3]["val/acc"] == f"{statistics.fmean(accs):.4f} ± {statistics.stdev(accs):.4f} (n=2)"
+    assert groups[3]["status"] == "2 completed, 1 diverged"
+    assert groups[4]["val/acc"] == "nan (n=3)" and per_job[12]["val/acc"] == "nan"
+    assert (groups[6]["jobs"], groups[6]["val/acc"], groups[6]["status"]) == ("18", "0.8000", "completed")
+
+
+def test_without_repeated_configurations_there_is_only_the_per_job_table(tmp_path, capsys):
+    jobs = [FakeJob({"precision": p, "seed": "0"}, decay(0.1)) for p in ("fp32", "fp16")]
+    jobs.append(FakeJob({"precision": "bf16", "seed": "0"}, decay(0.1), status="diverged", in_summary=True))
+    assert write_report(write_sweep(tmp_path / "sweep", jobs), tmp_path / "out") == 0
+    text = capsys.readouterr().out
+    assert ": 3 jobs, 2 completed, 1 diverged\n" in text  # summary.json's "status" key
+    ((header, rows),) = parse_tables(text)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "completed"), ("1", "completed"), ("2", "diverged")]
+
+
+@pytest.mark.parametrize(
+    ("diverged", "tag"), [(1e13, "diverged; off chart from step 110"), (None, "diverged; non-finite from step 110")]
+)
+def test_a_diverged_seed_does_not_stretch_the_y_axis_and_is_marked_where_it_leaves(tmp_path, diverged, tag):
+    fig = line_figure(find_jobs(write_sweep(tmp_path, grid(diverged))), "train/loss", "t")
+    ax = fig.axes[0]
+    bottom, top = ax.get_ylim()
+    assert ax.get_yscale() == "linear"  # the others span 0.1 to 2.3: no need for a log axis
+    assert 2.3 < top < 2.6 and bottom < 0.1
+    lines = drawn_lines(fig)
+    assert f"11: precision=fp16 scaler=dynamic seed=2 ({tag})" in lines
+    assert "precision=fp16 scaler=dynamic: mean ± std, n=2" in lines  # its completed seeds
+    assert sum("off chart" in label or "non-finite" in label for label in lines) == 1
+    (marker,) = [line for line in ax.get_lines() if list(line.get_xdata()) == [110]]
+    assert list(marker.get_ydata()) == [top]
+
+
+def test_a_blow_up_in_a_job_that_completed_is_still_kept_off_the_y_range(tmp_path):
+    # a sweep recorded before the "diverged" status existed: the blow-up's job says completed
+    jobs = [FakeJob({"optim.lr": lr}, decay(end)) for lr, end in (("0.01", 0.5), ("0.1", 0.1), ("0.3", 0.2))]
+    jobs.append(FakeJob({"optim.lr": "10"}, decay(0.1)[:5] + [3e5, 1e13, 1e13]))
+    fig = line_figure(find_jobs(write_sweep(tmp_path, jobs)), "train/loss", "t")
+    assert fig.axes[0].get_ylim()[1] < 3 and fig.axes[0].get_yscale() == "linear"
+    assert "3: optim.lr=10 (off chart from step 60)" in drawn_lines(fig)
+
+
+def test_losses_spanning_decades_keep_a_log_axis_and_scales_a_log2_one(tmp_path):
+    jobs = [FakeJob({"seed": str(s), "scaler": "static"}, decay(0.005, s, steps=80), scale=2.0**16) for s in range(2)]
+    jobs += [FakeJob({"seed": str(s), "scaler": "dynamic"}, decay(0.01, s, steps=80), scale=2.0**10) for s in range(2)]
+    found = find_jobs(write_sweep(tmp_path, jobs))
+    fig = line_figure(found, "train/loss", "t")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    assert ax.get_ylim()[0] < 0.005 and ax.get_ylim()[1] > 2.3  # the first steps and the last, all on the chart
+    assert sorted(drawn_lines(fig)) == ["scaler=dynamic: mean ± std, n=2", "scaler=static: mean ± std, n=2"]
+    ax = line_figure(found, "scaler/scale", "t", log2_y=True).axes[0]
+    assert ax.get_yscale() == "log" and ax.yaxis.get_transform().base == 2
+    assert ax.get_ylim()[0] < 2**10 and ax.get_ylim()[1] > 2**16
+
+
+def test_wandb_gets_the_group_table_as_numbers(tmp_path):
+    sweep_dir = write_sweep(tmp_path / "sweep", grid(diverged=1e13))
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
+    result = report(str(sweep_dir), "--out", str(tmp_path / "out"), "--wandb", env=env)
+    assert result.returncode == 0, result.stderr
+    (run_file,) = wandb_records.run_files(tmp_path)
+    (logged,) = wandb_records.history(run_file)
+    assert logged["report/table.nrows"] == 18 and logged["report/groups.nrows"] == 6
+    table = json.loads((run_file.parent / "files" / logged["report/groups.path"]).read_text())
+    columns = table["columns"]
+    assert columns[:3] == ["precision", "scaler", "jobs"]
+    fp16_dynamic = dict(zip(columns, table["data"][3]))
+    accs = [0.95 - 0.03 + seed / 1000 for seed in (0, 1)]  # seed 2 diverged: not counted
+    assert fp16_dynamic["val/acc"] == pytest.approx(statistics.fmean(accs))
+    assert fp16_dynamic["val/acc std"] == pytest.approx(statistics.stdev(accs))
+    assert fp16_dynamic["val/acc n"] == 2 and fp16_dynamic["status"] == "2 completed, 1 diverged"

@@ -57,7 +57,10 @@ def without_perf(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
-@pytest.mark.parametrize("overrides,kill_at", [(FP32, 130), (FP16, 110)], ids=["fp32", "fp16-dynamic"])
+@pytest.mark.parametrize(
+    "overrides,kill_at",
+    [pytest.param(FP32, 130, marks=pytest.mark.slow, id="fp32"), pytest.param(FP16, 110, id="fp16-dynamic")],
+)
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, overrides, kill_at):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     subprocess.run(train_cmd(straight, *overrides), check=True, capture_output=True)

@@ -121,6 +121,27 @@ def test_max_consecutive_skips_stops_a_skip_storm_but_not_scattered_skips():
             s.update(True)
 
 
+def test_max_overflow_rate_stops_scattered_skips_once_more_than_that_share_of_100_steps_skip():
+    """Two skips in every three steps never make a storm of 3 in a row, yet the run is diverging."""
+    s = LossScaler(max_consecutive_skips=3, max_overflow_rate=0.5)
+    with pytest.raises(TrainingAborted, match=r"51 of the last 100 optimizer steps.*max_overflow_rate=0\.5"):
+        while True:
+            s.update(True)
+            s.update(True)
+            s.update(False)
+    assert s.steps == 76 and s.skipped_steps == 51  # stopped at the 51st skip, before the window filled
+
+
+def test_max_overflow_rate_lets_half_the_steps_skip_and_a_fresh_scale_back_off():
+    s = DynamicLossScaler(init_scale=2.0**24, max_overflow_rate=0.5)
+    for step in range(100):  # a too-high initial scale backs off for a few steps: no divergence
+        s.update(step < 8)
+    for _ in range(300):  # at most half of any 100 steps skipped: training goes on
+        s.update(False)
+        s.update(True)
+    assert s.skipped_steps == 308
+
+
 @pytest.mark.parametrize("scaler", [LossScaler(max_consecutive_skips=2), StaticLossScaler(128, 2)])
 def test_skip_storm_applies_without_dynamic_scaling(scaler):
     scaler.update(True)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,6 +28,14 @@ def started(cli):
         "optuna": cli.submit(
             "hparams_search=optuna", "hydra.sweeper.n_trials=3", "logger=none", "model.hidden=[16]", multirun=True
         ),
+        "diverging": cli.submit(
+            "optim.lr=1e6,0.1",
+            "logger=none",
+            "trainer.max_steps=100",
+            "trainer.progress=false",
+            cheap=False,
+            multirun=True,
+        ),
         "loss_scaling": cli.submit(
             "+experiment=loss_scaling",
             "hydra.sweeper.params.precision=fp16",
@@ -35,6 +51,8 @@ def started(cli):
 def test_optuna_search_runs_trials_and_reports_the_best(started):
     result = started["optuna"].result()
     result.check()
+    # Optuna's and its storage layer's start-up chatter is quieted (the sweeper logs the study itself)
+    assert "A new study created" not in result.output and "setup plugin" not in result.output
     lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
     assert len(lines) == 3 and {line["status"] for line in lines} == {"completed"}
     # every trial sampled all four searched keys
@@ -66,10 +84,64 @@ def test_loss_scaling_experiment_reproduces_underflow_stall(started):
 
 def test_fail_fast_stops_the_sweep_at_the_first_failed_job(cli):
     result = cli.run("logger=none", "optim.lr=-1,0.1", "fail_fast=true", multirun=True)
-    assert result.returncode == 1
+    assert result.returncode == 5 and "Traceback" not in result.output
     assert "fail_fast=true: job 0 failed" in result.output
     lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
     assert [(line["job"], line["status"]) for line in lines] == [(0, "failed")]
+    assert result.stderr.splitlines()[-1] == f"sweep: 1 failed; {result.sweep_dir / 'sweep.jsonl'} (exit 5)"
+
+
+def test_a_diverging_job_is_recorded_as_diverged_with_the_counts_of_the_step_that_stopped_it(started):
+    """lr=1e6 skips most steps without 50 in a row: more than half of the last 100 skipped stops it
+    (exit 3 alone, "diverged" in the sweep); sweep.jsonl, summary.json, metrics.jsonl and the report
+    agree on the skipped steps at that moment; the sweep ends with one line and exit 5."""
+    from halfprec.report import find_jobs, job_metrics
+
+    result = started["diverging"].result()
+    assert result.returncode == 5 and "Traceback" not in result.output, result.output[-3000:]
+    diverged, done = (read_jsonl(result.sweep_dir / "sweep.jsonl")[i] for i in (0, 1))
+    assert (diverged["status"], done["status"]) == ("diverged", "completed")
+    assert diverged["error"].startswith("TrainingAborted: step 58: 51 of the last 100 optimizer steps had inf/NaN")
+    rows = read_jsonl(Path(diverged["dir"]) / "metrics.jsonl")
+    assert rows[-1]["step"] == 58 and rows[-1]["scaler/skipped_steps"] == diverged["scaler/skipped_steps"] == 51
+    summary = json.loads((Path(diverged["dir"]) / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["exit_code"]) == ("diverged", 58, 3)
+    jobs = find_jobs(result.sweep_dir)
+    assert [job.status for job in jobs] == ["diverged", "completed"]
+    assert job_metrics(jobs[0].rows, jobs[0].summary)["skipped steps"] == 51
+    lines = result.stderr.strip().splitlines()
+    assert any(line.startswith("job 0 (optim.lr=1000000.0 ") and "error: training stopped: step 58: 51 of" in line
+               for line in lines)  # fmt: skip
+    assert lines[-1] == f"sweep: 1 completed, 1 diverged; {result.sweep_dir / 'sweep.jsonl'} (exit 5)"
+    assert lines[0] == f"sweep dir: {result.sweep_dir}"
+
+
+def test_ctrl_c_stops_the_sweep_after_the_running_jobs_checkpoint(tmp_path):
+    """Ctrl-C in a multirun: the running job saves and says how to continue it, the sweep ends (exit 4),
+    the jobs after it do not start."""
+    sweep_dir = tmp_path / "multi"
+    cmd = [sys.executable, str(TRAIN), "-m", "seed=0,1", "logger=none", "trainer.max_steps=100000",
+           "trainer.progress=false", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(sweep_dir.glob("0_*/metrics.jsonl")):
+        assert time.monotonic() < deadline and proc.poll() is None, "job 0 did not start"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 4, err[-3000:]
+    assert "Traceback" not in err
+    (line,) = read_jsonl(sweep_dir / "sweep.jsonl")
+    assert (line["job"], line["status"]) == (0, "stopped") and line["error"].startswith("Preempted: Ctrl-C at step")
+    assert not list(sweep_dir.glob("1_*"))
+    job_dir = Path(line["dir"])
+    (ckpt,) = (job_dir / "checkpoints").glob("step-*.pt")
+    command = "python train.py seed=0 logger=none trainer.max_steps=100000 trainer.progress=False"  # as Hydra keeps it
+    assert f"saved {ckpt}; continue with: {command} {shlex.quote(f'hydra.run.dir={job_dir}')} resume=auto" in err
+    lines = err.strip().splitlines()
+    assert lines[-2] == "sweep stopped at job 0: the jobs after it did not run"
+    assert lines[-1] == f"sweep: 1 stopped; {sweep_dir / 'sweep.jsonl'} (exit 4)"
 
 
 def test_bad_objective_names_the_choices(cli):

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,35 +27,44 @@ CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 # not what a step computes. Anything else (model, precision, data, optimizer, ...) is an error.
 RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
                      "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
-                     "logger")  # fmt: skip
+                     "trainer.threads", "data.num_workers", "logger")  # fmt: skip
 
 
 class StopSignals:
-    """Turns SIGTERM and SIGUSR1 (SLURM's warning before preemption or time limit) into a flag
-    the loop checks after each step, so it stops at a step boundary with a checkpoint."""
+    """Turns SIGTERM, SIGUSR1 (SLURM's warning before preemption or time limit) and the first
+    Ctrl-C (SIGINT) into a flag the loop checks after each step, so it stops at a step boundary with
+    a checkpoint. A second Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict = {}
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT:
+            if self.received is not None:
+                raise KeyboardInterrupt
+            if os.environ.get("RANK", "0") == "0":  # torchrun hands the Ctrl-C to every rank: one says so
+                print("\nCtrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit now", file=sys.stderr)
         self.received = signum
 
     def forward(self) -> None:
         """After the checkpoint: hand the signal to the handler we replaced, if it was a function.
-        Under submitit that one requeues the job (and exits); otherwise nothing happens."""
+        Under submitit that one requeues the job (and exits); otherwise nothing happens. Never for
+        Ctrl-C, whose default handler would raise KeyboardInterrupt after all."""
         previous = self._previous.get(self.received)
-        if callable(previous):
+        if callable(previous) and self.received != signal.SIGINT:
             previous(self.received, None)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            # a SIGINT ignored at start (`nohup`, a background job of a script) stays ignored
+            wanted = [s for s in self.SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)]
+            self._previous = {s: signal.signal(s, self._handle) for s in wanted}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from halfprec.errors import ConfigError, show_value
+
 # `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
 OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
@@ -55,35 +57,17 @@ PRECISION_KEYS = (
     "fp8_emulate"
 )  # fmt: skip
 SCALER_KEYS = {
-    "none": ("kind", "max_consecutive_skips"),
-    "static": ("kind", "scale", "max_consecutive_skips"),
+    "none": ("kind", "max_consecutive_skips", "max_overflow_rate"),
+    "static": ("kind", "scale", "max_consecutive_skips", "max_overflow_rate"),
     "dynamic": ("kind", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-                "min_scale", "max_consecutive_skips"),
+                "min_scale", "max_consecutive_skips", "max_overflow_rate"),
 }  # fmt: skip
 SCALER_KEYS["auto"] = SCALER_KEYS["dynamic"]
 SCHED_KEYS = {"constant": ("name", "warmup_steps"), "cosine": ("name", "warmup_steps", "min_lr_ratio")}
 LOGGER_KEYS = {"none": ("kind",), "wandb": ("kind", "mode", "project", "entity", "job_type", "tags", "group")}
-TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "nonfinite",
+TRAINER_KEYS = ("max_steps", "val_every", "log_every", "ckpt_every", "ckpt_keep", "device", "threads", "nonfinite",
                 "deterministic", "progress", "inject_nonfinite_at", "loss_weight", "distributed", "compile",
                 "channels_last", "count_flops")  # fmt: skip
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work. `str()` is the one line shown to the user."""
-
-    def __init__(self, key: str, value: Any, fix: str):
-        self.key, self.value, self.fix = key, value, fix
-        super().__init__(f"{key}={_show(value)}: {fix}")
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, (DictConfig, ListConfig)):
-        value = OmegaConf.to_container(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
 
 
 def _is_int(v: Any) -> bool:
@@ -106,7 +90,7 @@ def _need(cfg: DictConfig, key: str, ok: Callable[[Any], bool], fix: str) -> Any
 
 
 def _one_of(cfg: DictConfig, key: str, choices: tuple, what: str = "") -> Any:
-    return _need(cfg, key, lambda v: v in choices, f"must be one of {', '.join(map(_show, choices))}{what}")
+    return _need(cfg, key, lambda v: v in choices, f"must be one of {', '.join(map(show_value, choices))}{what}")
 
 
 def _int_at_least(cfg: DictConfig, key: str, low: int, meaning: str) -> int:
@@ -189,6 +173,12 @@ def validate(cfg: DictConfig) -> None:
         lambda v: v is None or (_is_int(v) and v >= 1),
         "must be an integer >= 1 or null (never stop)",
     )
+    _need(
+        cfg,
+        "scaler.max_overflow_rate",
+        lambda v: v is None or (_is_num(v) and 0 < v <= 1),
+        "must be a fraction in (0, 1] of the last 100 steps, or null (never stop), e.g. 0.5",
+    )
 
     # optimizer and schedule
     _need(cfg, "optim._target_", lambda v: isinstance(v, str) and "." in v, "must name an optimizer class")
@@ -210,6 +200,12 @@ def validate(cfg: DictConfig) -> None:
     _int_at_least(cfg, "trainer.ckpt_every", 0, "optimizer steps between checkpoints; 0 = only at the end")
     _int_at_least(cfg, "trainer.ckpt_keep", 1, "checkpoints kept in <run dir>/checkpoints")
     _one_of(cfg, "trainer.device", DEVICES)
+    _need(
+        cfg,
+        "trainer.threads",
+        lambda v: v == "auto" or (_is_int(v) and v >= 1),
+        "must be auto or an integer >= 1 (torch's CPU threads)",
+    )
     mode = _one_of(cfg, "trainer.distributed", ("none", "ddp", "fsdp"))
     _check_launch(mode)
     if mode == "fsdp" and param_dtype != "float32":
@@ -311,7 +307,12 @@ def _check_disk_data(cfg: DictConfig) -> None:
     if "image_size" in data:
         _int_at_least(cfg, "data.image_size", 1, "the side of the square crops the model sees, e.g. 224")
     if "num_workers" in data:
-        workers = _int_at_least(cfg, "data.num_workers", 0, "DataLoader processes; 0 = load in the training process")
+        workers = _need(
+            cfg,
+            "data.num_workers",
+            lambda v: v == "auto" or (_is_int(v) and v >= 0),
+            "must be auto or an integer >= 0 (DataLoader processes; 0 = load in the training process)",
+        )
         persistent = _need(
             cfg,
             "data.persistent_workers",

@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data import Dataset as TorchDataset
 
-from halfprec.config import ConfigError
+from halfprec.errors import ConfigError
+from halfprec.machine import loader_workers
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 CIFAR10_FILES = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"]
@@ -141,7 +142,7 @@ def load_cifar10(
     root: str = "data/cifar10",
     download: bool = False,
     verify: bool = True,
-    num_workers: int = 4,
+    num_workers: int | str = "auto",
     pin_memory: bool = True,
     persistent_workers: bool | None = None,
 ) -> Dataset:
@@ -182,13 +183,19 @@ def load_cifar10(
             f"could not fetch CIFAR-10 into {Path(root).resolve()} ({err}): download the python version from "
             f"{CIFAR10_URL} where there is a network and extract it there",
         ) from None
-    return Dataset(train, val, (3, 32, 32), len(train.classes), Workers(num_workers, pin_memory, persistent_workers))
+    return Dataset(
+        train,
+        val,
+        (3, 32, 32),
+        len(train.classes),
+        Workers(loader_workers(num_workers, most=4), pin_memory, persistent_workers),
+    )
 
 
 def load_imagefolder(
     root: str = "data/imagenet",
     image_size: int = 224,
-    num_workers: int = 8,
+    num_workers: int | str = "auto",
     pin_memory: bool = True,
     persistent_workers: bool | None = None,
 ) -> Dataset:
@@ -224,7 +231,7 @@ def load_imagefolder(
             f"train/ and val/ must hold the same class folders (only in train/: {only_train}; only in val/: "
             f"{only_val})",
         )
-    workers = Workers(num_workers, pin_memory, persistent_workers)
+    workers = Workers(loader_workers(num_workers, most=8), pin_memory, persistent_workers)
     return Dataset(train, val, (3, image_size, image_size), len(train.classes), workers)
 
 

@@ -1,7 +1,37 @@
-"""The errors a user sees (train.py maps each to an exit code). Kept free of torch, so that
-`python train.py --help` and a config error answer without importing it."""
+"""The errors a user sees (halfprec.exits maps each to an exit code and one line). Kept free of
+torch, so that `python train.py --help` and a config error answer without importing it.
+
+Each error pickles with its message: launchers that run jobs in other processes (submitit, joblib)
+send a job's exception back to the sweep, which must print the same line and exit code.
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+
+def show_value(value: Any) -> str:
+    """A config value as the user would write it on the command line."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work. `str()` is the one line shown to the user."""
+
+    def __init__(self, key: str, value: Any, fix: str):
+        self.key, self.value, self.fix = key, value, fix
+        super().__init__(f"{key}={show_value(value)}: {fix}")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.key, self.value, self.fix)
 
 
 class InitError(ValueError):
@@ -19,4 +49,5 @@ class PrecisionMismatch(RuntimeError):
 
 
 class Preempted(Exception):
-    """A stop signal (SIGTERM, SIGUSR1) arrived; a checkpoint was saved. The message says how to resume."""
+    """A stop signal (SIGTERM, SIGUSR1, the first Ctrl-C) arrived and a checkpoint was saved.
+    The message says how to resume."""

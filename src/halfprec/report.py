@@ -1,8 +1,13 @@
-"""`halfprec report PATH`: one markdown table and two plots for a run, a multirun sweep, or a dir of them.
+"""`halfprec report PATH`: markdown tables and two plots for a run, a multirun sweep, or a dir of them.
 
 Reads what the runs left on disk (metrics.jsonl, .hydra/overrides.yaml and config.yaml, summary.json,
 the sweep's sweep.jsonl), so it works on finished, failed and still-running sweeps alike.
-matplotlib and wandb are imported inside the functions that draw and upload.
+
+Jobs whose overrides differ in the seed alone (or not at all) form a group: one configuration run
+several times. The group table and the plots show each group as mean ± std over its completed jobs;
+the per-job table keeps every job. In the plots a group's colour comes from the value of the first
+override that varies between groups, its line style from the second.
+matplotlib, numpy and wandb are imported inside the functions that draw and upload.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from halfprec.sweep import STATUSES, read_lines  # sweep.jsonl: written by the sweep callback
 
 EXPECTED = (
     "expected a run dir (with metrics.jsonl or .hydra/), a multirun sweep dir (with <n>_<overrides>/ job dirs), "
@@ -36,7 +43,28 @@ METRIC_FORMATS = {
     "samples/s": ".0f",
     "MFU": ".3f",
 }
+# Group rows print mean and std with these: a mean of counts or powers of two is not whole.
+SPREAD_FORMATS = {**METRIC_FORMATS, "skipped steps": ".6g", "min scale": ".6g", "final scale": ".6g"}
+
+# Overrides that pick a replicate rather than a configuration ("+seed=1" as well as "seed=1").
+SEED_KEYS = ("seed",)
+# The status whose jobs a group's mean ± std is over. A failed or diverged job stopped early and a
+# running one is still moving: averaging them in would mix final values with those of other steps.
+# They stay in the per-job table and are drawn as lines of their own; the group's status cell counts them.
+COUNTED = "completed"
+# Jobs whose values may set a plot's y-range. Any other status (failed, diverged, whatever a newer
+# version records) may mean the job ended because its values blew up.
+IN_RANGE = ("completed", "running", "stopped")  # stopped: by a signal, resumable
+STATUS_ORDER = (*STATUSES, "running")  # others follow, by first appearance
+
 LINE_STYLES = ["-", "--", "-.", ":"]
+# A line whose maximum lies further above the lines' typical maximum than FAR times their whole
+# range (in decades, on positive values) is left out of the y-range: one blow-up to 1e13 would
+# otherwise squash every other line flat. It is still drawn, clipped, and marked where it leaves.
+FAR = 1.0
+
+
+Table = tuple[list[str], list[list[Any]]]  # header, rows of raw values
 
 
 class ReportError(Exception):
@@ -52,7 +80,7 @@ class Job:
     overrides: dict[str, str]
     config: dict[str, Any]
     rows: list[dict[str, Any]]
-    status: str  # completed | failed | running
+    status: str  # completed | failed | running, or what sweep.jsonl or summary.json say ("diverged", ...)
     summary: dict[str, Any] = field(default_factory=dict)  # summary.json of a finished run
     error: str | None = None
     sort_key: tuple = field(default=(), repr=False)
@@ -84,7 +112,7 @@ def find_jobs(path: Path) -> list[Job]:
     jobs = []
     for run_dir in run_dirs:
         if run_dir.parent not in sweep_lines:
-            sweep_lines[run_dir.parent] = read_sweep_lines(run_dir.parent / "sweep.jsonl")
+            sweep_lines[run_dir.parent] = read_lines(run_dir.parent / "sweep.jsonl")
         jobs.append(read_job(run_dir, root, sweep_lines[run_dir.parent]))
     return sorted(jobs, key=lambda job: job.sort_key)
 
@@ -94,7 +122,8 @@ def read_job(run_dir: Path, root: Path, sweep_lines: dict[int, dict]) -> Job:
     own = str(num) if num is not None else run_dir.name
     sweep = "." if run_dir == root else run_dir.parent.relative_to(root).as_posix()  # "." : directly in PATH
     job_id = own if sweep == "." else f"{sweep}/{own}"
-    status, error = job_status(run_dir, sweep_lines.get(num) if num is not None else None)
+    summary = read_json(run_dir / "summary.json")
+    status, error = job_status(run_dir, summary, sweep_lines.get(num) if num is not None else None)
     return Job(
         id=job_id,
         dir=run_dir,
@@ -102,7 +131,7 @@ def read_job(run_dir: Path, root: Path, sweep_lines: dict[int, dict]) -> Job:
         config=read_yaml(run_dir / ".hydra" / "config.yaml") or {},
         rows=read_rows(run_dir / "metrics.jsonl"),
         status=status,
-        summary=read_json(run_dir / "summary.json"),
+        summary=summary,
         error=error,
         sort_key=(sweep, num if num is not None else math.inf, run_dir.name),
     )
@@ -142,20 +171,13 @@ def read_overrides(path: Path) -> dict[str, str]:
     return overrides
 
 
-def read_sweep_lines(path: Path) -> dict[int, dict]:
-    """sweep.jsonl by job number; a job run again in the same sweep dir has its latest line kept."""
-    if not path.is_file():
-        return {}
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {line["job"]: line for line in lines if "job" in line}
-
-
-def job_status(run_dir: Path, sweep_line: dict | None) -> tuple[str, str | None]:
+def job_status(run_dir: Path, summary: dict[str, Any], sweep_line: dict | None) -> tuple[str, str | None]:
     """(status, first line of the error) from what the job left behind."""
-    # summary.json is written only when training ends normally; it goes first because a job that
-    # failed in its sweep may have been finished later by hand (hydra.run.dir=<job dir> resume=auto)
+    # summary.json is written only when training ends; it goes first because a job that failed in
+    # its sweep may have been finished later by hand (hydra.run.dir=<job dir> resume=auto). A run that
+    # ended may still say it went wrong ("status": "diverged"); without the key it completed.
     if (run_dir / "summary.json").is_file():
-        return "completed", None
+        return str(summary.get("status") or "completed"), summary.get("error")
     if sweep_line is not None:
         error = sweep_line.get("error")
         return sweep_line.get("status", "failed"), error.splitlines()[0] if error else None
@@ -208,7 +230,61 @@ def shown_overrides(jobs: list[Job]) -> list[str]:
     return [key for key in keys if len({job.overrides.get(key) for job in jobs}) > 1]
 
 
-def build_table(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
+def is_seed(key: str) -> bool:
+    return key.lstrip("+~") in SEED_KEYS
+
+
+@dataclass
+class Group:
+    """Jobs whose overrides differ in the seed alone, or not at all: one configuration run several times."""
+
+    overrides: dict[str, str]  # the non-seed overrides its jobs share
+    jobs: list[Job]
+
+    @property
+    def counted(self) -> list[Job]:
+        """The jobs its statistics are over (see COUNTED)."""
+        return [job for job in self.jobs if job.status == COUNTED]
+
+
+def group_jobs(jobs: list[Job]) -> list[Group]:
+    """The jobs' groups, in the order of each group's first job."""
+    groups: dict[tuple, Group] = {}
+    for job in jobs:
+        overrides = {key: value for key, value in job.overrides.items() if not is_seed(key)}
+        groups.setdefault(tuple(sorted(overrides.items())), Group(overrides, [])).jobs.append(job)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One metric over a group's counted jobs that logged it: n of them, their mean and sample std."""
+
+    mean: float
+    std: float | None  # None for a single value
+    n: int
+
+
+def spread(values: list[Any]) -> Spread | None:
+    """None when no job logged it; a nan mean (and std) when one of them logged a non-finite value."""
+    numbers = [float(value) for value in values if value is not None]
+    if not numbers:
+        return None
+    if len(numbers) == 1:
+        return Spread(numbers[0], None, 1)
+    if not all(math.isfinite(number) for number in numbers):
+        return Spread(math.nan, math.nan, len(numbers))
+    return Spread(statistics.fmean(numbers), statistics.stdev(numbers), len(numbers))
+
+
+def status_counts(jobs: list[Job]) -> str:
+    """Each status the jobs have, with how many have it, known statuses first: "2 completed, 1 diverged"."""
+    statuses = [*STATUS_ORDER, *dict.fromkeys(job.status for job in jobs)]
+    counts = {status: sum(job.status == status for job in jobs) for status in dict.fromkeys(statuses)}
+    return ", ".join(f"{n} {status}" for status, n in counts.items() if n)
+
+
+def build_table(jobs: list[Job]) -> Table:
     """Header and raw values (numbers stay numbers, for W&B), one row per job."""
     keys = shown_overrides(jobs)
     header = ["job", *keys, *METRIC_FORMATS, "status"]
@@ -219,9 +295,37 @@ def build_table(jobs: list[Job]) -> tuple[list[str], list[list[Any]]]:
     return header, rows
 
 
+def build_group_table(jobs: list[Job]) -> Table | None:
+    """One row per group, its metrics a Spread over the counted jobs; a job alone in its group keeps
+    its plain values. None when every group holds one job: the per-job table says it all."""
+    groups = group_jobs(jobs)
+    if all(len(group.jobs) == 1 for group in groups):
+        return None
+    keys = [key for key in shown_overrides(jobs) if not is_seed(key)]
+    header = [*keys, "jobs", *METRIC_FORMATS, "status"]
+    rows = []
+    for group in groups:
+        if len(group.jobs) == 1:
+            (job,) = group.jobs
+            metrics, status = list(job_metrics(job.rows, job.summary).values()), job.status
+        else:
+            each = [job_metrics(job.rows, job.summary) for job in group.counted]
+            metrics = [spread([values[column] for values in each]) for column in METRIC_FORMATS]
+            status = status_counts(group.jobs)
+        ids = ", ".join(job.id for job in group.jobs)
+        rows.append([*(group.overrides.get(key) for key in keys), ids, *metrics, status])
+    return header, rows
+
+
 def format_cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, Spread):
+        fmt = SPREAD_FORMATS[column]
+        if math.isnan(value.mean):
+            return f"nan (n={value.n})"
+        std = "" if value.std is None else f" ± {format(value.std, fmt)}"
+        return f"{format(value.mean, fmt)}{std} (n={value.n})"
     if isinstance(value, float) and math.isnan(value):
         return "nan"
     if column in METRIC_FORMATS and isinstance(value, int | float):
@@ -237,11 +341,23 @@ def to_markdown(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def report_text(path: Path, jobs: list[Job], table: str, images: list[Path]) -> str:
-    """report.md: a heading with the job counts, the table, the failed jobs' errors, the plots."""
-    counts = {status: sum(job.status == status for job in jobs) for status in ("completed", "failed", "running")}
-    summary = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
-    parts = [f"## {path}: {len(jobs)} job{'s' if len(jobs) != 1 else ''}, {summary}", table]
+def markdown_tables(tables: dict[str, Table]) -> list[str]:
+    """The group table (when there is one) under a line saying what its cells are, then the per-job table."""
+    if "groups" not in tables:
+        return [to_markdown(*tables["table"])]
+    return [
+        f"Per configuration (jobs whose overrides differ in the seed alone): mean ± std (sample std) over "
+        f"its {COUNTED} jobs, n of them that logged the value. Jobs that ended otherwise or are still "
+        "running are left out of the statistics and counted in the status column.",
+        to_markdown(*tables["groups"]),
+        "Per job:",
+        to_markdown(*tables["table"]),
+    ]
+
+
+def report_text(path: Path, jobs: list[Job], tables: list[str], images: list[Path]) -> str:
+    """report.md: a heading with the job counts, the tables, the failed jobs' errors, the plots."""
+    parts = [f"## {path}: {len(jobs)} job{'s' if len(jobs) != 1 else ''}, {status_counts(jobs)}", *tables]
     errors = [f"- job {job.id}: {job.error}" for job in jobs if job.error]
     if errors:
         parts.append("Failed:\n\n" + "\n".join(errors))
@@ -249,59 +365,300 @@ def report_text(path: Path, jobs: list[Job], table: str, images: list[Path]) -> 
     return "\n\n".join(parts) + "\n"
 
 
-def legend_labels(jobs: list[Job]) -> dict[str, str]:
-    """Job id -> its line's label: the id, the overrides that tell it apart, and its status unless completed."""
-    keys = shown_overrides(jobs)
-    labels = {}
-    for job in jobs:
-        label = " ".join([job.id + ":", *(f"{key}={job.overrides[key]}" for key in keys if key in job.overrides)])
-        label = label.removesuffix(":")
-        if job.status != "completed":
-            label += f" ({job.status})"
-        labels[job.id] = textwrap.fill(label, 48)  # long labels would make the legend wider than the plot
-    return labels
-
-
 def has_scaler(job: Job) -> bool:
     """A loss scaler shows as a scale other than 1.0 (scaler=none logs 1.0 throughout)."""
     return any(row.get("scaler/scale", 1.0) != 1.0 for row in job.rows)
 
 
-def plot_lines(jobs: list[Job], key: str, title: str, path: Path, log2_y: bool = False) -> bool:
-    """`key` against step, one line per job that logged it; False (and no file) when none did."""
+@dataclass
+class Line:
+    """One line of a plot: a job's values, or the mean of a group's counted jobs with its ±std band."""
+
+    label: str
+    steps: list[float]
+    values: list[float]
+    colour: Any
+    style: str
+    in_range: bool  # its values may set the y-range (see IN_RANGE)
+    band: tuple[list[float], list[float]] | None = None  # mean - std, mean + std
+    width: float = 1.8
+    alpha: float = 1.0
+    notes: list[str] = field(default_factory=list)  # shown in brackets after the label: status, off chart
+
+
+def palette(n: int) -> list[Any]:
+    """n colours, all distinct up to 20: tab10, then tab20's light shades after its dark ones
+    (tab20 in its own order puts a light and a dark blue next to each other). More than 20 values
+    get a gradient: ordered values (numbers are sorted) still read from dark to light."""
+    from matplotlib import colormaps
+
+    if n <= 10:
+        return list(colormaps["tab10"].colors[:n])
+    if n <= 20:
+        tab20 = colormaps["tab20"].colors
+        return list((tab20[0::2] + tab20[1::2])[:n])
+    return [colormaps["viridis"](i / (n - 1)) for i in range(n)]
+
+
+def ordered_values(values: list[str | None]) -> list[str | None]:
+    """Distinct values in first-seen order, or in numeric order when all are numbers (lr=1e-3,1e-2,...)."""
+    distinct = list(dict.fromkeys(values))
+    try:
+        return sorted(distinct, key=lambda value: float(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return distinct
+
+
+def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[tuple[Any, str]], str]:
+    """(colour, line style) per group, and the legend title that says what they stand for.
+
+    Colour by the value of the first varying key; line style by the second when it has at most four
+    values (the first and second swap when only the first fits four). Three or more keys, or two
+    with many values each: a colour per group, so no two groups look alike."""
+    values = {key: ordered_values([group.overrides.get(key) for group in groups]) for key in keys}
+    colour_key, style_key = (keys[0], None) if keys else (None, None)
+    if len(keys) == 2:
+        first, second = keys
+        if len(values[second]) <= len(LINE_STYLES):
+            colour_key, style_key = first, second
+        elif len(values[first]) <= len(LINE_STYLES):
+            colour_key, style_key = second, first
+        else:
+            colour_key = None
+    elif len(keys) > 2:
+        colour_key = None
+    colours = palette(len(values[colour_key]) if colour_key else len(groups))
+    looks = []
+    for i, group in enumerate(groups):
+        colour = colours[values[colour_key].index(group.overrides.get(colour_key)) if colour_key else i]
+        style = LINE_STYLES[values[style_key].index(group.overrides.get(style_key))] if style_key else "-"
+        looks.append((colour, style))
+    title = f"colour: {colour_key or 'each configuration'}" + (f", line: {style_key}" if style_key else "")
+    return looks, title if len(groups) > 1 else ""  # one configuration: nothing to tell apart
+
+
+def seed_mean(jobs: list[Job], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Steps, mean, mean - std and mean + std of `key` over the jobs, at each step where any of them
+    logged it (a step some jobs did not log is over the others). A non-finite value makes its step nan."""
+    by_step: dict[float, list[float]] = {}
+    for job in jobs:
+        for row in job.rows:
+            if key in row:
+                by_step.setdefault(row["step"], []).append(float(row[key]))
+    steps, mean, low, high = [], [], [], []
+    for step in sorted(by_step):
+        spread_ = spread(by_step[step])
+        assert spread_ is not None
+        std = spread_.std or 0.0  # one job at this step: no spread to show
+        steps.append(step)
+        mean.append(spread_.mean)
+        low.append(spread_.mean - std)
+        high.append(spread_.mean + std)
+    return steps, mean, low, high
+
+
+def job_line_label(job: Job, group: Group, label: str) -> str:
+    """A job drawn on its own: its id, its group's label, and its seed when the group has others."""
+    seeds = [f"{key}={value}" for key, value in job.overrides.items() if is_seed(key) and len(group.jobs) > 1]
+    return " ".join(part for part in [f"{job.id}:", label, *seeds] if part).removesuffix(":")
+
+
+def group_lines(group: Group, key: str, label: str, look: tuple[Any, str]) -> list[Line]:
+    """The group's mean line over its counted jobs that logged `key` (two or more), then a line for
+    each other job: one counted job alone, or one that failed, diverged or is still running."""
+    colour, style = look
+    counted = [job for job in group.counted if any(key in row for row in job.rows)]
+    lines, alone = [], group.jobs
+    if len(counted) >= 2:
+        steps, mean, low, high = seed_mean(counted, key)
+        text = f"{label}: mean ± std, n={len(counted)}" if label else f"mean ± std, n={len(counted)}"
+        lines.append(Line(text, steps, mean, colour, style, True, (low, high)))
+        alone = [job for job in group.jobs if job not in counted]
+    for job in alone:
+        points = [(row["step"], float(row[key])) for row in job.rows if key in row]
+        if points:
+            steps, values = (list(column) for column in zip(*points))
+            text, in_range = job_line_label(job, group, label), job.status in IN_RANGE
+            width = 1.8 if job.status == COUNTED else 1.2  # thinner: not part of the group's result
+            notes = [job.status] if job.status != "completed" else []
+            lines.append(Line(text, steps, values, colour, style, in_range, width=width, notes=notes))
+    return lines
+
+
+def plot_data(jobs: list[Job], key: str) -> tuple[list[Line], str]:
+    """Every line of the plot of `key`, group by group, and the legend's title."""
+    groups = group_jobs(jobs)
+    keys = [k for k in shown_overrides(jobs) if not is_seed(k)]
+    looks, title = group_looks(groups, keys)
+    lines = []
+    for group, look in zip(groups, looks):
+        label = " ".join(f"{k}={group.overrides[k]}" for k in keys if k in group.overrides)
+        lines += group_lines(group, key, label, look)
+    if any(line.band for line in lines):
+        title = "\n".join(filter(None, [title, "bands: ±std over completed seeds"]))
+    return lines, title
+
+
+def extent(line: Line, positive: bool = False) -> list[float]:
+    """The finite values the line draws, its band's edges included (only those above 0 when
+    `positive`: a wide band can reach below 0 while the mean stays positive, as on a log axis)."""
+    band = [edge for edge in (line.band[0] + line.band[1] if line.band else []) if edge > 0 or not positive]
+    return [value for value in [*line.values, *band] if math.isfinite(value)]
+
+
+def y_range(lines: list[Line], log2_y: bool) -> tuple[float, float, str]:
+    """(bottom, top, scale) of the y axis, scale one of linear, log, log2.
+
+    From the lines of jobs that did not end badly (all lines when there are none), leaving out a line
+    that reaches far above the others (see FAR). log: positive values spanning over 100x (a loss
+    falling from 2.3 to 0.01, whose first steps would otherwise be a spike above a flat line)."""
+    candidates = [line for line in lines if line.in_range and extent(line)] or [line for line in lines if extent(line)]
+    positive = all(value > 0 for line in candidates for value in line.values if math.isfinite(value))
+    if positive:  # in decades: a loss of 1e13 is 13 of them above 1, whatever the others' scale
+        to, back = math.log10, (lambda x: 10.0**x)
+    else:
+        to, back = float, float
+    extents = [[to(value) for value in extent(line, positive)] for line in candidates]
+    highs = [max(values) for values in extents]
+    low = min(min(values) for values in extents)
+    typical = statistics.median(highs)
+    fence = typical + FAR * max(typical - low, 1.0 if positive else abs(typical) * 0.1 or 1e-12)
+    kept = [values for values, high in zip(extents, highs) if log2_y or high <= fence] or extents
+    bottom, top = min(min(values) for values in kept), max(max(values) for values in kept)
+    if log2_y or (positive and top - bottom > 2):
+        margin = 0.05 * (top - bottom or 1.0)  # in decades
+        return back(bottom - margin), back(top + margin), "log2" if log2_y else "log"
+    bottom, top = back(bottom), back(top)
+    margin = 0.05 * (top - bottom) or max(abs(top) * 0.05, 1e-6)
+    return bottom - margin, top + margin, "linear"
+
+
+def leaves_chart(line: Line, bottom: float, top: float) -> tuple[int, str] | None:
+    """Where the line first leaves the chart: (index, "off chart") above or below it, (index,
+    "non-finite") at a value logged as inf or nan (which draws as a gap)."""
+    for i, value in enumerate(line.values):
+        if not math.isfinite(value):
+            return i, "non-finite"
+        if not bottom <= value <= top:
+            return i, "off chart"
+    return None
+
+
+def stack_coinciding(lines: list[Line], scale: str, bottom: float, top: float) -> None:
+    """Keep lines that trace the same curve visible (fp32 with and without a static scale logs the
+    same losses, every scaler=none job a scale of 1): each line gets wider by how many later lines
+    (drawn on top of it) lie on it, and paler, so that each shows as an edge around the next, and
+    a dashed line in the same colour still shows its dashes on the line below."""
+    import numpy as np
+
+    to = np.log10 if scale != "linear" else (lambda x: x)
+    tolerance = 0.004 * abs(float(to(top)) - float(to(bottom)))  # under a pixel or two apart
+    with np.errstate(all="ignore"):
+        curves = [np.asarray(to(np.asarray(line.values, dtype=float))) for line in lines]
+
+    def same(i: int, j: int) -> bool:
+        a, b = curves[i], curves[j]
+        if lines[i].steps != lines[j].steps or not np.array_equal(np.isnan(a), np.isnan(b)):
+            return False
+        finite = ~np.isnan(a)
+        return bool(np.all(np.abs(a[finite] - b[finite]) <= tolerance))
+
+    for i, line in enumerate(lines):
+        later = sum(same(i, j) for j in range(i + 1, len(lines)))
+        if later:
+            line.width, line.alpha = line.width + 1.6 * later, 0.55
+
+
+def mark_leaving(ax: Any, line: Line, bottom: float, top: float) -> str | None:
+    """Mark where the line first leaves the chart: a triangle on the edge it crosses, with the value
+    next to it (an X on the top edge for a non-finite value); return the note for its label."""
+    left = leaves_chart(line, bottom, top)
+    if left is None:
+        return None
+    i, why = left
+    step, value = line.steps[i], line.values[i]
+    above = not math.isfinite(value) or value > top
+    edge = top if above else bottom
+    marker = "X" if why == "non-finite" else ("^" if above else "v")
+    ax.plot([step], [edge], marker=marker, markersize=9, color=line.colour, clip_on=False, zorder=5, linestyle="none")
+    offset = (5, -11 if above else 4)  # points: inside the chart, beside the marker
+    ax.annotate(f"{value:.3g}", (step, edge), xytext=offset, textcoords="offset points", fontsize=7, color=line.colour)
+    return f"{why} from step {step}"
+
+
+def draw_line(ax: Any, line: Line, bottom: float, top: float, scale: str) -> Any:
+    """Draw one line (and its band); return its legend handle. Values far outside the chart are
+    clipped to just beyond it, so that the line visibly runs off the edge; where it first leaves,
+    a marker on the edge (with the value) shows it, and its label says from which step."""
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    if scale == "linear":
+        lo, hi = bottom - (top - bottom), top + (top - bottom)
+    else:
+        lo, hi = bottom / 10, top * 10
+    values = np.clip(np.asarray(line.values, dtype=float), lo, hi)  # nan stays nan: a gap
+    notes = [*line.notes, *filter(None, [mark_leaving(ax, line, bottom, top)])]
+    label = line.label + (f" ({'; '.join(notes)})" if notes else "")
+    marker = "o" if len(values) <= 20 else None
+    style = {"color": line.colour, "alpha": line.alpha, "linewidth": line.width, "marker": marker, "markersize": 3}
+    (drawn,) = ax.plot(line.steps, values, line.style, **style)
+    drawn.set_label(textwrap.fill(label, 52))  # long labels would make the legend wider than the plot
+    if line.band is None:
+        return drawn
+    low, high = (np.clip(np.asarray(edge, dtype=float), lo, hi) for edge in line.band)
+    ax.fill_between(line.steps, low, high, color=line.colour, alpha=0.18, linewidth=0)
+    return (Patch(facecolor=line.colour, alpha=0.18), drawn)
+
+
+def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False) -> Any:
+    """The Figure of `key` against step, a line per group or job that logged it; None when none did."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
+    lines, legend_title = plot_data(jobs, key)
+    if not any(extent(line) for line in lines):
+        return None
+    bottom, top, scale = y_range(lines, log2_y)
+    stack_coinciding(lines, scale, bottom, top)
+    # the legend grows with the lines (and their wrapped labels); the figure grows with it
+    label_rows = sum(1 + len(line.label) // 52 for line in lines) + 2
     # a bare Figure on the Agg canvas: no pyplot state, no display needed (headless machines, tests)
-    fig = Figure(figsize=(9, 5), layout="constrained")
+    fig = Figure(figsize=(11, min(max(5.0, 0.2 * label_rows + 1.0), 30.0)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    labels = legend_labels(jobs)
-    drawn: list[float] = []
-    for job in jobs:
-        points = [(row["step"], row[key]) for row in job.rows if key in row]
-        if not points:
-            continue
-        steps, values = zip(*points)
-        # jobs often trace the same line (every scaler=none job sits at scale 1): dashes keep each visible;
-        # a nan (non-finite value) leaves a gap in its line
-        style = LINE_STYLES[len(ax.lines) % len(LINE_STYLES)]
-        marker = "o" if len(points) <= 20 else None
-        ax.plot(steps, values, style, label=labels[job.id], marker=marker, markersize=3, linewidth=1.5)
-        drawn += [v for v in values if math.isfinite(v)]
-    if not drawn:
-        return False
-    if log2_y:
+    handles = [draw_line(ax, line, bottom, top, scale) for line in lines]
+    labels = [(handle[1] if isinstance(handle, tuple) else handle).get_label() for handle in handles]
+    if scale == "log2":
         ax.set_yscale("log", base=2)
-    elif min(drawn) > 0 and max(drawn) / min(drawn) > 100:  # a diverging or fast-falling loss
+    elif scale == "log":
         ax.set_yscale("log")
+    ax.set_ylim(bottom, top)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even on short runs
     ax.set_xlabel("step (optimizer steps)")
     ax.set_ylabel(key + (" (log2)" if log2_y else ""))
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", title="job: overrides")
+    ax.legend(
+        handles,
+        labels,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize="small",
+        title=legend_title,
+        title_fontsize="small",
+        alignment="left",
+        handlelength=3,  # long enough to show a dash pattern
+    )
+    return fig
+
+
+def plot_lines(jobs: list[Job], key: str, title: str, path: Path, log2_y: bool = False) -> bool:
+    """Write the plot of `key` against step to `path`; False (and no file) when no job logged it."""
+    fig = line_figure(jobs, key, title, log2_y)
+    if fig is None:
+        return False
     fig.savefig(path, dpi=100)
     return True
 
@@ -310,11 +667,36 @@ def wandb_value(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
-def log_to_wandb(
-    root: Path, out: Path, jobs: list[Job], header: list[str], rows: list[list[Any]], images: list[Path]
-) -> str:
-    """A new W&B run (job_type report) with the table and the plots, under `out`/wandb/ unless $WANDB_DIR
-    says otherwise; returns where it went."""
+def wandb_table(header: list[str], rows: list[list[Any]]) -> Any:
+    """A wandb.Table of raw numbers: a metric column of the group table becomes its mean, std and n."""
+    import wandb
+
+    spread_columns = [
+        column in METRIC_FORMATS and any(isinstance(row[i], Spread) for row in rows) for i, column in enumerate(header)
+    ]
+    columns = [
+        name
+        for column, split in zip(header, spread_columns)
+        for name in ([column, f"{column} std", f"{column} n"] if split else [column])
+    ]
+    data = []
+    for row in rows:
+        cells = []
+        for value, split in zip(row, spread_columns):
+            if not split:
+                cells.append(wandb_value(value))
+            elif isinstance(value, Spread):
+                cells += [wandb_value(value.mean), wandb_value(value.std), value.n]
+            else:  # a job alone in its group, or no job logged it
+                cells += [wandb_value(value), None, 0 if value is None else 1]
+        data.append(cells)
+    return wandb.Table(columns=columns, data=data)
+
+
+def log_to_wandb(root: Path, out: Path, jobs: list[Job], tables: dict[str, Table], images: list[Path]) -> str:
+    """A new W&B run (job_type report) with the tables (report/table per job, report/groups when
+    seeds were grouped) and the plots, under `out`/wandb/ unless $WANDB_DIR says otherwise; returns
+    where it went."""
     import wandb
 
     # the sweep's own project and group, so that the report sits next to the runs it describes
@@ -333,8 +715,8 @@ def log_to_wandb(
         settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
     )
     try:
-        table = wandb.Table(columns=header, data=[[wandb_value(v) for v in row] for row in rows])
-        run.log({"report/table": table, **{f"report/{image.stem}": wandb.Image(str(image)) for image in images}})
+        logged = {f"report/{name}": wandb_table(*table) for name, table in tables.items()}
+        run.log({**logged, **{f"report/{image.stem}": wandb.Image(str(image)) for image in images}})
     finally:
         run.finish()
     if run.offline:
@@ -348,12 +730,15 @@ def note(message: str) -> None:
 
 
 def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) -> int:
-    """Print the table, write report.md, loss.png and scale.png into `out` (default: PATH); 0 on success."""
+    """Print the tables, write report.md, loss.png and scale.png into `out` (default: PATH); 0 on success."""
     jobs = find_jobs(path)
     root = path.resolve()
     out = out or path
     out.mkdir(parents=True, exist_ok=True)
-    header, rows = build_table(jobs)
+    tables = {"table": build_table(jobs)}
+    groups = build_group_table(jobs)
+    if groups is not None:
+        tables["groups"] = groups
     where = "/".join(root.parts[-2:])  # e.g. 2026-12-03/08-09-58.123456: the sweep's date and time
 
     images = []
@@ -366,10 +751,10 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     elif plot_lines(jobs, "scaler/scale", f"loss scale: {where}", out / "scale.png", log2_y=True):
         images.append(out / "scale.png")
 
-    text = report_text(path, jobs, to_markdown(header, rows), images)
+    text = report_text(path, jobs, markdown_tables(tables), images)
     (out / "report.md").write_text(text)
     print(text, end="", flush=True)
     note(f"wrote {', '.join(p.name for p in [out / 'report.md', *images])} in {out}")
     if to_wandb:
-        note(f"W&B report run: {log_to_wandb(root, out, jobs, header, rows, images)}")
+        note(f"W&B report run: {log_to_wandb(root, out, jobs, tables, images)}")
     return 0

@@ -15,15 +15,22 @@ import torch
 
 from halfprec.errors import TrainingAborted
 
+DIVERGING = (
+    "the run is diverging, not overflowing: lower optim.lr, set optim.clip_grad_norm, try init=fixup or precision=bf16"
+)
+
 
 class LossScaler:
     """No scaling (scale 1). Still counts non-finite steps, which are skipped."""
 
     kind = "none"
 
-    def __init__(self, max_consecutive_skips: int | None = None, window: int = 100):
+    def __init__(
+        self, max_consecutive_skips: int | None = None, max_overflow_rate: float | None = None, window: int = 100
+    ):
         self.scale = 1.0
         self.max_consecutive_skips = max_consecutive_skips
+        self.max_overflow_rate = max_overflow_rate
         self.steps = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -54,9 +61,16 @@ class LossScaler:
         if limit is not None and self.consecutive_skips >= limit:
             raise TrainingAborted(
                 f"{self.consecutive_skips} optimizer steps in a row had inf/NaN gradients "
-                f"(scaler.max_consecutive_skips={limit}, loss scale now {self.scale:g}); the run is "
-                "diverging, not overflowing: lower optim.lr, set optim.clip_grad_norm, try init=fixup "
-                "or precision=bf16"
+                f"(scaler.max_consecutive_skips={limit}, loss scale now {self.scale:g}); {DIVERGING}"
+            )
+        # Skips that come and go escape the limit above (a diverging run can skip 92 of 100 steps
+        # with never 50 in a row). Counted against the whole window, so the limit is known to be
+        # passed as soon as it is, and the few back-offs of a fresh dynamic scale never reach it.
+        rate, window = self.max_overflow_rate, self.recent.maxlen
+        if rate is not None and sum(self.recent) > rate * window:
+            raise TrainingAborted(
+                f"{sum(self.recent)} of the last {window} optimizer steps had inf/NaN gradients "
+                f"(scaler.max_overflow_rate={rate:g}, loss scale now {self.scale:g}); {DIVERGING}"
             )
 
     def _update_scale(self, found_inf: bool) -> None:
@@ -97,8 +111,10 @@ class StaticLossScaler(LossScaler):
 
     kind = "static"
 
-    def __init__(self, scale: float = 128.0, max_consecutive_skips: int | None = None):
-        super().__init__(max_consecutive_skips)
+    def __init__(
+        self, scale: float = 128.0, max_consecutive_skips: int | None = None, max_overflow_rate: float | None = None
+    ):
+        super().__init__(max_consecutive_skips, max_overflow_rate)
         self.scale = self.min_seen = self.max_seen = float(scale)
 
 
@@ -126,8 +142,9 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int = 1,
         min_scale: float | None = None,
         max_consecutive_skips: int | None = None,
+        max_overflow_rate: float | None = None,
     ):
-        super().__init__(max_consecutive_skips)
+        super().__init__(max_consecutive_skips, max_overflow_rate)
         self.scale = self.min_seen = self.max_seen = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -172,11 +189,11 @@ def build_scaler(cfg, uses_fp16: bool) -> LossScaler:
     kind = cfg.kind
     if kind == "auto":
         kind = "dynamic" if uses_fp16 else "none"
-    skips = cfg.max_consecutive_skips
+    skips, rate = cfg.max_consecutive_skips, cfg.max_overflow_rate
     if kind == "none":
-        return LossScaler(skips)
+        return LossScaler(skips, rate)
     if kind == "static":
-        return StaticLossScaler(cfg.scale, skips)
+        return StaticLossScaler(cfg.scale, skips, rate)
     return DynamicLossScaler(
         init_scale=cfg.init_scale,
         growth_factor=cfg.growth_factor,
@@ -185,4 +202,5 @@ def build_scaler(cfg, uses_fp16: bool) -> LossScaler:
         hysteresis=cfg.hysteresis,
         min_scale=cfg.min_scale,
         max_consecutive_skips=skips,
+        max_overflow_rate=rate,
     )

@@ -123,10 +123,11 @@ class WandbSink:
             pass
 
     def finish(self, summary: dict[str, Any]) -> None:
-        if summary.get("preempted"):
+        stopped = summary.get("status") == "stopped"  # a stop signal after a checkpoint: resumable, not failed
+        if stopped:
             self.run.mark_preempting()
         self.run.summary.update(summary)
-        self.run.finish(exit_code=summary.get("exit_code", 0))
+        self.run.finish(exit_code=0 if stopped else summary.get("exit_code", 0))
 
 
 class Tracker:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import random
+import shlex
 import signal
 import sys
 import time
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from torch import nn
 
 from halfprec import distributed
@@ -37,11 +38,12 @@ from halfprec.diagnostics import Diagnostics
 from halfprec.distributed import World
 from halfprec.errors import Preempted
 from halfprec.init import apply_init
+from halfprec.machine import torch_threads
 from halfprec.models import create_model
 from halfprec.perf import math_kind, peak_tflops
 from halfprec.precision import COMPUTE_TYPES, OptimizerParams, PrecisionPolicy, observe_compute_dtypes
-from halfprec.progress import Progress
-from halfprec.scaling import LossScaler, TrainingAborted, build_scaler
+from halfprec.progress import Progress, fmt
+from halfprec.scaling import DIVERGING, LossScaler, TrainingAborted, build_scaler
 from halfprec.step import optimizer_step
 from halfprec.tracking import Tracker, build_tracker, saved_config
 
@@ -239,6 +241,7 @@ def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics."""
+    set_threads(cfg)
     world = distributed.init(cfg.trainer.distributed, resolve_device(cfg).type)
     try:
         summary = _run(cfg, distributed.shared_run_dir(world, Path(run_dir)), world)
@@ -249,40 +252,97 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     return summary
 
 
-def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
-    ckpt = None
+def set_threads(cfg: DictConfig) -> None:
+    """torch's CPU threads from trainer.threads (auto: see halfprec.machine), set before anything is
+    built; the number is written back into the config, so W&B and checkpoints record it."""
+    threads = torch_threads(cfg.trainer.threads)
+    torch.set_num_threads(threads)
+    with open_dict(cfg):
+        cfg.trainer.threads = threads
+
+
+def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Path | None, dict | None]:
+    """The checkpoint `resume` names (None: a fresh start), loaded and checked against this config."""
     path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints") if cfg.resume is not None else None
-    if cfg.resume is not None and path is None:
-        print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'} yet; starting at step 0", file=sys.stderr)
-    if path is not None:
-        ckpt = load_checkpoint(path)
-        for note in check_resume_config(ckpt["config"], saved_config(cfg), path):
-            print(f"resume: {note}", file=sys.stderr)
-        if world.is_main and ckpt.get("world_size", 1) != world.size:
-            print(
-                f"resume: world size {ckpt.get('world_size', 1)} -> {world.size}: the effective batch becomes "
-                f"{cfg.data.batch_size * cfg.accum * world.size} and the sample order differs from the first run",
-                file=sys.stderr,
-            )
+    if path is None:
+        return None, None
+    ckpt = load_checkpoint(path)
+    for note in check_resume_config(ckpt["config"], saved_config(cfg), path):
+        print(f"resume: {note}", file=sys.stderr)
+    if world.is_main and ckpt.get("world_size", 1) != world.size:
+        print(
+            f"resume: world size {ckpt.get('world_size', 1)} -> {world.size}: the effective batch becomes "
+            f"{cfg.data.batch_size * cfg.accum * world.size} and the sample order differs from the first run",
+            file=sys.stderr,
+        )
+    return path, ckpt
+
+
+def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int) -> None:
+    """Once everything is built: where this run writes, and where it continues from."""
+    print(f"run dir: {run_dir}", file=sys.stderr)
+    if resumed_from is not None:
+        print(f"resume: from {resumed_from} at step {step} of {cfg.trainer.max_steps}", file=sys.stderr)
+    elif cfg.resume is not None:
+        print(
+            f"resume={cfg.resume}: no checkpoint in {run_dir / 'checkpoints'} yet; starting at step 0", file=sys.stderr
+        )
+
+
+def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
+    path, ckpt = resume_checkpoint(cfg, run_dir, world)
     c = build(cfg, world)
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
+        say_where(cfg, run_dir, path, loop.step)
         resume_step = loop.step if ckpt else None
         tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt and ckpt["wandb_id"])
     else:
         tracker = Tracker([])  # rank 0 alone writes metrics and owns the W&B run
     summary: dict = {"exit_code": 1}
+    start = time.perf_counter()
     try:
         summary = train_loop(cfg, c, batches, tracker, loop, run_dir / "checkpoints")
-        if world.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    except Preempted:
-        summary = {"exit_code": 0, "preempted": True}  # resumable: not a failed run
+    except (TrainingAborted, Preempted) as err:
+        # how far it got, with the counters of the moment it stopped (sweep.jsonl, halfprec report)
+        status, code = ("stopped", 4) if isinstance(err, Preempted) else ("diverged", 3)  # stopped: resumable
+        summary = end_summary(cfg, c, loop, status, code, time.perf_counter() - start)
+        summary["error"] = str(err).splitlines()[0]
         raise
     finally:
+        if world.is_main and summary.get("status"):
+            write_summary(run_dir / "summary.json", summary)
         tracker.finish(summary)
     return summary
+
+
+def end_summary(cfg: DictConfig, c: Components, loop: LoopState, status: str, exit_code: int, wall_s: float) -> dict:
+    """summary.json and the W&B summary: how the run ended and its final numbers."""
+    final, scaler = loop.final, c.scaler
+    return {
+        "status": status,
+        "train/loss": final.get("train/loss"),
+        "val/loss": final.get("val/loss"),
+        "val/acc": final.get("val/acc"),
+        "scaler/skipped_steps": scaler.skipped_steps,
+        "scaler/min_scale": scaler.min_seen,
+        "scaler/max_scale": scaler.max_seen,
+        "scaler/final_scale": scaler.scale,
+        **{k: v for k, v in final.items() if k.startswith("precision/")},
+        "steps": loop.step,
+        "effective_batch": cfg.data.batch_size * cfg.accum * c.world.size,
+        "world_size": c.world.size,
+        "threads": cfg.trainer.threads,
+        "wall_s": wall_s,
+        "exit_code": exit_code,
+    }
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    # strict JSON, as metrics.jsonl: a non-finite number (a diverged loss) is written as null
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
+    path.write_text(json.dumps(clean, indent=1, allow_nan=False) + "\n")
 
 
 def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, loop: LoopState, ckpt_dir: Path) -> dict:
@@ -313,6 +373,10 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
 
     def crash(err: Exception, culprit: str | None) -> TrainingAborted:
         path = save(f"crash-step-{loop.step:08d}.pt")
+        # the counters of the step that stopped the run: the last row is what reports read
+        row = {"step": loop.step, "samples": loop.step * per_step, **scaler.metrics()}
+        tracker.log({**row, "scaler/skipped": scaler.skipped_steps - loop.skipped_before})
+        loop.final.update(row)
         where = f"non-finite gradients start at: {culprit}" if culprit else "no non-finite gradient found"
         return TrainingAborted(
             f"step {loop.step}: {err}\n  {where}\n  scale history (step:scale, ! = overflow): "
@@ -420,36 +484,47 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
             if stopping and step < t.max_steps:
                 distributed.barrier(c.world)  # no rank exits (and gets the job torn down) before the save
                 stop.forward()  # under submitit: requeue this job (it resumes with resume=auto)
-                name = signal.Signals(stop.received).name if stop.received else "a stop signal on another rank"
                 raise Preempted(
-                    f"{name} at step {step}: saved {path}; continue with the same overrides plus "
-                    f"hydra.run.dir={ckpt_dir.parent} resume=auto"
+                    f"{signal_name(stop.received)} at step {step}: saved {path}; continue with: "
+                    f"{resume_command(ckpt_dir.parent, c.world)}"
                 )
     distributed.check_ranks_agree(model, scaler.scale, scaler.skipped_steps)
-    elapsed = time.perf_counter() - start
-    final = loop.final
-    summary = {
-        "train/loss": final["train/loss"],
-        "val/loss": final["val/loss"],
-        "val/acc": final["val/acc"],
-        "scaler/skipped_steps": scaler.skipped_steps,
-        "scaler/min_scale": scaler.min_seen,
-        "scaler/max_scale": scaler.max_seen,
-        "scaler/final_scale": scaler.scale,
-        **{k: v for k, v in final.items() if k.startswith("precision/")},
-        "steps": t.max_steps,
-        "effective_batch": per_step,
-        "world_size": c.world.size,
-        "checkpoint": str(checkpoint_files(ckpt_dir)[-1]),
-        "wall_s": elapsed,
-        "exit_code": 0,
-    }
-    if not main:
-        return summary
-    print(
-        f"done: {t.max_steps - first + 1} steps in {elapsed:.1f}s | train/loss {summary['train/loss']:.4f} | "
-        f"val/acc {summary['val/acc']:.4f} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "
-        f"(min {scaler.min_seen:g}, max {scaler.max_seen:g})",
-        file=sys.stderr,
-    )
+    check_finite(loop.final, t.max_steps)
+    summary = end_summary(cfg, c, loop, "completed", 0, time.perf_counter() - start)
+    summary["checkpoint"] = str(checkpoint_files(ckpt_dir)[-1])
+    if main:
+        print(done_line(summary, t.max_steps - first + 1, scaler, ckpt_dir.parent), file=sys.stderr)
     return summary
+
+
+def signal_name(signum: int | None) -> str:
+    if signum is None:
+        return "a stop signal on another rank"
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def resume_command(run_dir: Path, world: World) -> str:
+    """The command that continues this run: its own overrides (a sweep job's too), its run dir, resume=auto."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
+    except ValueError:  # run() called outside Hydra (tests, notebooks)
+        return f"the same overrides plus hydra.run.dir={shlex.quote(str(run_dir))} resume=auto"
+    launcher = f"torchrun --nproc_per_node={world.size} train.py" if world.size > 1 else "python train.py"
+    return " ".join([launcher, *map(shlex.quote, overrides), shlex.quote(f"hydra.run.dir={run_dir}"), "resume=auto"])
+
+
+def check_finite(final: dict, step: int) -> None:
+    """A run whose last losses are inf/NaN diverged, however few of its steps were skipped."""
+    for key in ("train/loss", "val/loss"):
+        if not math.isfinite(final[key]):
+            raise TrainingAborted(f"step {step}: the run ended with {key} = {final[key]}; {DIVERGING}")
+
+
+def done_line(summary: dict, steps: int, scaler: LossScaler, run_dir: Path) -> str:
+    return (
+        f"done: {steps} steps in {summary['wall_s']:.1f}s | train/loss {fmt(summary['train/loss'])} | "
+        f"val/acc {fmt(summary['val/acc'])} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "
+        f"(min {scaler.min_seen:g}, max {scaler.max_seen:g}) | {run_dir}"
+    )

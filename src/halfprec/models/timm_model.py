@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+
 from torch import nn
 
+from halfprec.errors import ConfigError
 from halfprec.models import register_model
 
 
@@ -14,6 +17,10 @@ def create_timm_model(
     """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through."""
     import timm  # ~2 s to import: only when a timm model is asked for
 
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError("model.name", name, f"no such timm model; {hint}timm.list_models('*part*') lists them")
     return timm.create_model(
         name, pretrained=pretrained, in_chans=input_shape[0], num_classes=num_classes, **dict(kwargs or {})
     )

@@ -1,0 +1,202 @@
+"""How a run or a sweep ends: the exit code, and the one line a user reads for each way it can end.
+
+`train.py` hands its whole Hydra call to `run_cli`. Hydra is told to raise (HYDRA_FULL_ERROR=1)
+instead of printing its own multi-line reports, so that every failure reaches this module and is
+printed as one line: the key, the value and what would work. Only a bug (an exception that is none
+of ours) prints a traceback. Kept free of torch: a config error answers without importing it.
+The exit codes are listed in README.md, "Errors".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
+
+OK = 0
+BUG = 1  # an unexpected exception: the traceback is printed
+CONFIG = 2  # a config value, key or option that cannot work
+TRAINING_STOPPED = 3  # diverged (skip storm, scale floor, overflow rate, non-finite loss) or wrong precision
+SIGNAL = 4  # SIGTERM, SIGUSR1 or the first Ctrl-C: a checkpoint was saved, the run can resume
+SWEEP_FAILED = 5  # a multirun in which some job failed or diverged (sweep.jsonl says which and why)
+INTERRUPTED = 130  # a second Ctrl-C: quit at once, as shells report SIGINT
+
+# The user-facing errors, most specific first: (class, exit code, prefix of the printed line).
+FAILURES: tuple[tuple[type[BaseException], int, str], ...] = (
+    (ConfigError, CONFIG, "error"),
+    (InitError, CONFIG, "error"),
+    (TrainingAborted, TRAINING_STOPPED, "error: training stopped"),
+    (PrecisionMismatch, TRAINING_STOPPED, "error: training stopped"),
+    (Preempted, SIGNAL, "stopped"),
+)
+
+
+class SweepStopped(SystemExit):
+    """Ends a multirun from a Hydra callback (fail_fast, a stop signal). A SystemExit, because Hydra
+    logs and swallows a callback's ordinary exceptions."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code)
+        self.message = message
+
+
+def failure_line(err: BaseException) -> tuple[int, str] | None:
+    """(exit code, the line to print) for one of halfprec's own errors; None for anything else (a bug)."""
+    for cls, code, prefix in FAILURES:
+        if isinstance(err, cls):
+            return code, f"{prefix}: {err}"
+    return None
+
+
+@contextlib.contextmanager
+def job_errors() -> Iterator[None]:
+    """Around a Hydra job: a single run prints its own error as one line and exits with its code
+    (before Hydra would add a line of its own); a multirun job raises it, so that the sweep records
+    the job as failed (sweep.jsonl, Optuna) and goes on with the others."""
+    try:
+        yield
+    except Exception as err:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        known = failure_line(err)
+        if known is None or HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise
+        print(known[1], file=sys.stderr)
+        raise SystemExit(known[0]) from None
+
+
+def run_cli(main: Callable[[], Any], conf_dir: Path, argv: list[str]) -> int:
+    """Run Hydra's `main()` and turn however it ends into an exit code and at most a few lines."""
+    user_wants_traces = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises; what it would print is decided below
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted: quit without saving (the last checkpoint is in the run dir)", file=sys.stderr)
+        return _end_of_sweep(INTERRUPTED)
+    except SweepStopped as stop:
+        print(stop.message, file=sys.stderr)
+        return _end_of_sweep(int(stop.code or 0))
+    except Exception as err:
+        if user_wants_traces:
+            raise
+        return _failed(err, conf_dir, argv)
+    return _end_of_sweep(OK)
+
+
+def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
+    from halfprec import sweep
+
+    if sweep.jobs_recorded():  # a job failed: its line was printed when it ended; now the sweep's
+        return _end_of_sweep(SWEEP_FAILED if failure_line(err) else _bug(err))
+    known = failure_line(err)
+    if known is None:
+        known = hydra_error_line(err, conf_dir, argv)
+    if known is None:
+        return _bug(err)
+    print(known[1], file=sys.stderr)
+    return known[0]
+
+
+def _bug(err: BaseException) -> int:
+    traceback.print_exception(err)
+    return BUG
+
+
+def _end_of_sweep(code: int) -> int:
+    """After a multirun: one line with the counts and where sweep.jsonl is; the sweep's exit code."""
+    from halfprec import sweep
+
+    counts = sweep.status_counts()
+    if counts is None:
+        return code
+    path, by_status = counts
+    unfinished = sum(n for status, n in by_status.items() if status != "completed")
+    if code == OK and unfinished:
+        code = SWEEP_FAILED
+    shown = ", ".join(f"{n} {status}" for status, n in by_status.items()) or "no job finished"
+    print(f"sweep: {shown}; {path} (exit {code})", file=sys.stderr)
+    return code
+
+
+# Hydra's own errors, reworded. Hydra's messages span many lines (every option of a group, the
+# config search path, advice to add '+'); ours name the key, the value and what would work.
+NOT_IN_CONFIG = re.compile(r"Could not override '([^']+)'\.\s*To append to your config use \+(\S+)")
+
+
+def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[int, str] | None:
+    from hydra.errors import HydraException, MissingConfigException
+
+    if isinstance(err, MissingConfigException) and err.options and err.missing_cfg_file:
+        group, _, value = err.missing_cfg_file.rpartition("/")
+        return CONFIG, "error: " + unknown_option(group, value, list(err.options))
+    if not isinstance(err, HydraException):
+        return None
+    found = NOT_IN_CONFIG.search(str(err))
+    if found:
+        return CONFIG, "error: " + unknown_key(found.group(1), found.group(2), conf_dir, argv)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = str(err.__cause__).strip().splitlines()[0] if err.__cause__ else ""
+    return CONFIG, f"error: {first}" + (f" ({cause})" if cause and cause not in first else "")
+
+
+def unknown_option(group: str, value: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return f"{group}={value}: no such option in conf/{group}/; {hint}options: {', '.join(options)}"
+
+
+def unknown_key(key: str, added: str, conf_dir: Path, argv: list[str]) -> str:
+    """A `key=value` whose key is not in the composed config. Composed again with `+key=value`,
+    the config's own checks name the keys that group takes and the closest one; a key they accept
+    (an optimizer argument the YAML does not list) is added with '+'."""
+    value = added.partition("=")[2]
+    try:
+        cfg = compose_with(conf_dir, [f"+{added}" if o.partition("=")[0] == key else o for o in user_overrides(argv)])
+        from halfprec.config import validate, validate_optimizer
+
+        validate(cfg)
+        if key.startswith("optim."):
+            validate_optimizer(cfg)
+    except ConfigError as err:
+        return str(err)
+    except Exception:  # a second mistake elsewhere in the command: the plain statement still holds
+        pass
+    return f"{key}={value}: not a key of the config; to add it, write +{added}"
+
+
+def user_overrides(argv: list[str]) -> list[str]:
+    """The command line's overrides of the training config, a sweep's lists taken at their first
+    value; Hydra's own settings (hydra.*, hydra/launcher=...) are left out."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = get_args_parser().parse_args(argv).overrides
+    kept = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if key.lstrip("+~").startswith("hydra"):
+            continue
+        if override.is_sweep_override():
+            kept.append(f"{key}={next(iter(override.sweep_string_iterator()))}")
+        else:
+            kept.append(override.input_line)
+    return kept
+
+
+def compose_with(conf_dir: Path, overrides: list[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # the failed run left Hydra initialized
+    with initialize_config_dir(str(conf_dir), version_base="1.3"):
+        return compose("train", overrides=overrides)

@@ -1,0 +1,42 @@
+"""What this machine offers a run: CPU cores for torch's threads and for DataLoader workers.
+
+torch's default (a thread per core) is fastest on an idle machine and worst on a busy one: OpenMP
+threads that wait for a core another process holds stall every op (the 500 default digits steps took
+22 s instead of 0.7 s on a busy 2-core machine). Both defaults leave room for the rest of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM or taskset limit included)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def processes_on_this_node() -> int:
+    """Training processes sharing this machine's cores: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def torch_threads(choice: int | str) -> int:
+    """trainer.threads: an integer, or auto: $OMP_NUM_THREADS when it is set (torchrun sets 1), else
+    half of this process's share of the cores, at least 1."""
+    if choice != "auto":
+        return int(choice)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, usable_cores() // processes_on_this_node() // 2)
+
+
+def loader_workers(choice: int | str, most: int = 8) -> int:
+    """data.num_workers: an integer, or auto: this process's share of the cores less the one it
+    trains on, at most `most`, at least 1 (torch warns about more workers than cores)."""
+    if choice != "auto":
+        return int(choice)
+    return max(1, min(most, usable_cores() // processes_on_this_node() - 1))

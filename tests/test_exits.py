@@ -1,0 +1,46 @@
+"""How runs and sweeps end: exit codes, one-line messages, errors that cross process boundaries."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from halfprec import exits
+from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
+
+
+@pytest.mark.parametrize(
+    "err,code,line",
+    [
+        (ConfigError("accum", 0, "must be >= 1"), 2, "error: accum=0: must be >= 1"),
+        (InitError("no residual branches"), 2, "error: no residual branches"),
+        (TrainingAborted("step 7: a skip storm"), 3, "error: training stopped: step 7: a skip storm"),
+        (PrecisionMismatch("fc computed in float32"), 3, "error: training stopped: fc computed in float32"),
+        (Preempted("Ctrl-C at step 9: saved x"), 4, "stopped: Ctrl-C at step 9: saved x"),
+    ],
+)
+def test_each_user_facing_error_has_its_exit_code_and_one_line(err, code, line):
+    assert exits.failure_line(err) == (code, line)
+
+
+def test_anything_else_is_a_bug():
+    assert exits.failure_line(KeyError("x")) is None
+
+
+@pytest.mark.parametrize(
+    "err", [ConfigError("optim.lr", -1, "must be >= 0"), TrainingAborted("diverged"), Preempted("SIGTERM at step 3")]
+)
+def test_errors_survive_pickling_with_their_message(err):
+    """Launchers that run jobs in other processes (submitit, joblib) send the job's exception back."""
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err) and exits.failure_line(back) == exits.failure_line(err)
+
+
+def test_an_unknown_option_names_the_closest_one_and_all_of_them():
+    line = exits.unknown_option("precision", "bf-16", ["bf16", "fp16", "fp32"])
+    assert (
+        line
+        == "precision=bf-16: no such option in conf/precision/; did you mean precision=bf16? options: bf16, fp16, fp32"
+    )
+    assert "did you mean" not in exits.unknown_option("precision", "zzz", ["bf16", "fp16"])
