@@ -44,3 +44,15 @@ def test_an_unknown_option_names_the_closest_one_and_all_of_them():
         == "precision=bf-16: no such option in conf/precision/; did you mean precision=bf16? options: bf16, fp16, fp32"
     )
     assert "did you mean" not in exits.unknown_option("precision", "zzz", ["bf16", "fp16"])
+
+
+def test_an_override_hydra_cannot_parse_is_one_line_naming_it(tmp_path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    with pytest.raises(OverrideParseException) as info:
+        OverridesParser.create().parse_overrides(["hydra.run.dir=/tmp/a=b"])
+    code, line = exits.hydra_error_line(info.value, tmp_path, [])
+    assert code == 2 and "\n" not in line
+    assert line.startswith("error: hydra.run.dir=/tmp/a=b: not an override Hydra can read (mismatched input '='")
+    assert line.endswith("""quote a value that holds '=', spaces or brackets: 'key="a value"'""")

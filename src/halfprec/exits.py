@@ -134,11 +134,15 @@ NOT_IN_CONFIG = re.compile(r"Could not override '([^']+)'\.\s*To append to your 
 
 
 def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[int, str] | None:
-    from hydra.errors import HydraException, MissingConfigException
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 
     if isinstance(err, MissingConfigException) and err.options and err.missing_cfg_file:
         group, _, value = err.missing_cfg_file.rpartition("/")
         return CONFIG, "error: " + unknown_option(group, value, list(err.options))
+    if isinstance(err, OverrideParseException):
+        syntax = err.message.splitlines()[0]
+        fix = "quote a value that holds '=', spaces or brackets: 'key=\"a value\"'"
+        return CONFIG, f"error: {err.override}: not an override Hydra can read ({syntax}); {fix}"
     if not isinstance(err, HydraException):
         return None
     found = NOT_IN_CONFIG.search(str(err))
