@@ -10,14 +10,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from halfprec.config import validate
-from halfprec.exits import job_errors, run_cli
+from halfprec.launch.exits import job_errors, run_cli
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
         validate(cfg)  # a bad value fails before any data or model is built
-        from halfprec.train import run
+        from halfprec.training.run import run
 
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
     return summary[cfg.objective]  # the sweep metric (hparams_search=optuna maximizes val/acc)

@@ -10,7 +10,7 @@ See benchmarks/README.md for what is measured how, and measured tables.
 Every contender trains the same model (one build, deep-copied), on the same batches, with the same
 optimizer and hyperparameters, in the same precision mode:
 
-  halfprec    `halfprec.train.build(cfg)` and `halfprec.step.optimizer_step(...)`, what train.py runs per step
+  halfprec    `halfprec.training.run.build(cfg)` and `training.step.optimizer_step(...)`, what train.py runs per step
   raw         a hand-written torch loop (nanoGPT style): zero_grad, autocast, GradScaler (fp16 only), backward,
               unscale_/clip when clipping, scaler.step, scaler.update, scheduler.step
   lightning   a LightningModule in `lightning.Trainer(precision=...)`
@@ -25,7 +25,7 @@ that ran in another precision than asked is flagged ("runs bfloat16, asked float
 timed steps, the contenders that took the same steps as raw are compared with it parameter by
 parameter (fp32: halfprec and raw do the same math, so they must agree to ~1e-5).
 
-The glibc malloc thresholds are fixed (DESIGN.md, "Measured facts": with the defaults, large CPU
+The glibc malloc thresholds are fixed (docs/design.md, "Measured facts behind the defaults": large CPU
 tensors are mmapped and unmapped every step and page faults take 12-36% of a step): the script
 re-executes itself with GLIBC_TUNABLES set unless it is already set or --no-malloc-tuning is given.
 """
@@ -78,14 +78,15 @@ from omegaconf import DictConfig  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from halfprec.config import ConfigError  # noqa: E402
-from halfprec.models import create_model  # noqa: E402
-from halfprec.precision import OptimizerParams, PrecisionPolicy, observe_compute_dtypes  # noqa: E402
-from halfprec.step import optimizer_step  # noqa: E402
-from halfprec.train import Components, build, build_optimizer, build_scheduler  # noqa: E402
+from halfprec.components.models import create_model  # noqa: E402
+from halfprec.errors import ConfigError  # noqa: E402
+from halfprec.numerics.params import build_params  # noqa: E402
+from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
+from halfprec.training.run import Components, build, build_optimizer, build_scheduler  # noqa: E402
+from halfprec.training.step import optimizer_step  # noqa: E402
 
 try:
-    from halfprec.perf import math_kind, peak_tflops  # noqa: E402
+    from halfprec.training.perf import math_kind, peak_tflops  # noqa: E402
 except ImportError:  # an A/B run against a checkout older than halfprec/perf.py (CPU: no MFU anyway)
     math_kind, peak_tflops = None, None
 
@@ -232,7 +233,7 @@ class HalfprecLoop(Loop):
         self.last_loss = result.loss
 
     def extra_tensors(self) -> Iterable[torch.Tensor]:
-        return self.c.params.kahan or ()
+        return self.c.params.compensation
 
 
 class RawLoop(Loop):
@@ -553,7 +554,7 @@ def to_channels_last(c: Components, cfg: DictConfig) -> Components:
     """For a halfprec without trainer.channels_last: convert its model here, then rebuild what holds
     copies of the weights (fp32 master weights) so that they share the layout, as build() would."""
     c.model.to(memory_format=torch.channels_last)
-    params = OptimizerParams(c.model, c.policy)
+    params = build_params(c.model, c.policy)
     optimizer = build_optimizer(cfg, params, c.model)
     return dataclasses.replace(c, params=params, optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer))
 

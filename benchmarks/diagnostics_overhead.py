@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from halfprec.diagnostics import Diagnostics
-from halfprec.step import optimizer_step
-from halfprec.train import build
+from halfprec.training.diagnostics import Diagnostics
+from halfprec.training.run import build
+from halfprec.training.step import optimizer_step
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODELS = {

@@ -57,7 +57,7 @@ elif ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
     exit 0
 fi
 # everything the parts import, checked at once: a missing one fails here in seconds, not in each part
-if ! "$PY" -c "import hydra, omegaconf, pytest, sklearn, timm, halfprec.train" 2> "$out/env.txt"; then
+if ! "$PY" -c "import hydra, omegaconf, pytest, sklearn, timm, halfprec.training.run" 2> "$out/env.txt"; then
     cat "$out/env.txt" >&2
     echo "gpu.sh: a package is missing (above); hydra-core/omegaconf/antlr4/torchao travel as wheels: run 'bash benchmarks/gpu.sh --wheels' where pip works" >&2
     exit 1

@@ -1,4 +1,4 @@
-"""Peak memory of halfprec's training step per precision mode, against halfprec.memory's estimate.
+"""Peak memory of halfprec's training step per precision mode, against halfprec.tools.memory's estimate.
 
     python benchmarks/memory.py [--device cpu|cuda] [--models mlp-small,...] [--precisions fp32,bf16,...]
                                 [--steps N] [--override KEY=VALUE ...] [--quick] [--json OUT.json]
@@ -6,8 +6,8 @@
 
 See benchmarks/README.md for what is measured how, and measured tables.
 
-For each (model, precision mode): `halfprec.train.build(cfg)` builds the components, then
-`halfprec.step.optimizer_step`s run on fresh synthetic batches of the workload's size (the workloads
+For each (model, precision mode): `halfprec.training.run.build(cfg)` builds the components, then
+`halfprec.training.step.optimizer_step`s run on fresh synthetic batches of the workload's size (the workloads
 of compare_loops.py), one batch alive at a time, until --steps (3) of them have updated the weights
 (fp16's first loss scales may overflow: skipped steps, at most MAX_SKIPS, come on top). Measured
 is the peak of allocated memory over the build and the steps, above what was allocated before the build:
@@ -18,7 +18,7 @@ is the peak of allocated memory over the build and the steps, above what was all
         allocation and free, and the peak of their running sum in time order is the peak; the synthetic
         dataset build() makes (the steps never read it) is subtracted
 
-Estimated is `halfprec.memory.estimate_memory` on the built components and the last batch: parameters,
+Estimated is `halfprec.tools.memory.estimate_memory` on the built components and the last batch: parameters,
 buffers, gradients, master weights and gradients, optimizer state, Kahan buffers, the batch, and the
 activations autograd saves in one forward. The table shows each part, their sum, the measured peak and
 measured / estimate.
@@ -44,10 +44,10 @@ from compare_loops import WORKLOADS, Workload, choose_rows, compose_cfg, cpu_mod
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from halfprec.config import ConfigError
-from halfprec.memory import MB, estimate_memory
-from halfprec.step import optimizer_step
-from halfprec.train import Components, build
+from halfprec.errors import ConfigError
+from halfprec.tools.memory import MB, estimate_memory
+from halfprec.training.run import Components, build
+from halfprec.training.step import optimizer_step
 
 DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
 # fp16 autocast on a CPU runs ~6x slower than bf16 (compare_loops): the CPU defaults leave it out
@@ -75,7 +75,9 @@ T = TypeVar("T")
 class Row:
     model: str
     precision: str
-    mode: str  # how the optimizer reaches the weights: fp32 | master | lowp (halfprec.precision.OptimizerParams)
+    mode: (
+        str  # how the optimizer reaches the weights: fp32 | master | lowp (halfprec.numerics.params.ParamStrategy.kind)
+    )
     batch_size: int
     estimate_mb: dict[str, float]  # every part of the estimate, and "total"
     measured_mb: float
@@ -147,7 +149,7 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
     return Row(
         model=work.label,
         precision=precision,
-        mode=c.params.mode,
+        mode=c.params.kind,
         batch_size=work.batch_size,
         estimate_mb=estimate.megabytes(),
         measured_mb=measured / MB,
@@ -166,9 +168,9 @@ def note(c: Components, steps: int, taken: int) -> str:
         notes.append(f"{c.scaler.skipped_steps} skipped steps besides the {steps} taken")
     if c.policy.autocast_dtype is not None:
         notes.append(f"activations hold autocast's {str(c.policy.autocast_dtype).removeprefix('torch.')} weight copies")
-    if c.params.mode == "master":
+    if c.params.kind == "master":
         notes.append("fp32 master weights; master grads replace the model's during the update")
-    if c.params.mode == "lowp":
+    if c.params.kind == "lowp":
         notes.append("master w/g: fp32 upcasts during the update only")
         if c.policy.update != "nearest":  # finish_ rounds through fp32 temporaries of each weight
             notes.append(f"{c.policy.update} rounding's fp32 temporaries not in the estimate")

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from halfprec.step import optimizer_step
-from halfprec.train import Components, build
+from halfprec.training.run import Components, build
+from halfprec.training.step import optimizer_step
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAIN = CONF.parent / "train.py"

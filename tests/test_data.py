@@ -11,9 +11,7 @@ from conftest import read_jsonl
 from tiny_data import write_cifar10, write_imagefolder
 from torch.utils.data import TensorDataset
 
-from halfprec.checkpoint import checkpoint_files, load_checkpoint
-from halfprec.config import ConfigError, validate
-from halfprec.data import (
+from halfprec.components.data import (
     IGNORE_LABEL,
     Batches,
     Dataset,
@@ -24,8 +22,11 @@ from halfprec.data import (
     load_imagefolder,
     make_synthetic,
 )
-from halfprec.train import run
-from halfprec.vision import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
+from halfprec.components.vision import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
+from halfprec.config import validate
+from halfprec.errors import ConfigError
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
+from halfprec.training.run import run
 
 from helpers import compose_cfg
 
@@ -304,11 +305,13 @@ def test_digits_are_read_without_importing_scikit_learn_and_equal_its_loader():
     import subprocess
     import sys
 
-    code = "import sys; from halfprec.data import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    code = (
+        "import sys; from halfprec.components.data import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
     from sklearn.datasets import load_digits as sk_load_digits
 
-    from halfprec.data import _digits_arrays
+    from halfprec.components.data import _digits_arrays
 
     pixels, labels = _digits_arrays()
     reference = sk_load_digits()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from halfprec.config import ConfigError, validate
-from halfprec.diagnostics import FP16_TINY, LOG2_RANGE, Diagnostics
-from halfprec.step import optimizer_step
-from halfprec.tracking import Histogram
+from halfprec.config import validate
+from halfprec.errors import ConfigError
+from halfprec.training.diagnostics import FP16_TINY, LOG2_RANGE, Diagnostics
+from halfprec.training.step import optimizer_step
+from halfprec.training.tracking import Histogram
 
 import wandb_records
 from helpers import batch, build_from, compose_cfg

@@ -139,7 +139,8 @@ def test_fsdp_bf16_policy_trains_skips_together_and_resumes_at_another_world_siz
     ],
 )
 def test_fsdp_config_errors(monkeypatch, overrides, message):
-    from halfprec.config import ConfigError, validate
+    from halfprec.config import validate
+    from halfprec.errors import ConfigError
 
     from helpers import compose_cfg
 
@@ -231,10 +232,10 @@ def _bn_net() -> torch.nn.Module:
 def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from halfprec.data import make_synthetic
-    from halfprec.distributed import World
-    from halfprec.precision import PrecisionPolicy
-    from halfprec.train import evaluate
+    from halfprec.components.data import make_synthetic
+    from halfprec.numerics.policy import PrecisionPolicy
+    from halfprec.training.distributed import World
+    from halfprec.training.run import evaluate
 
     from helpers import compose_cfg
 
@@ -253,9 +254,9 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
 def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_statistics(tmp_path):
     # 15 samples: rank 0 takes 8, rank 1 7 and one padding sample; the sums over both equal one
     # process's evaluation of the whole set with rank 0's model (statistics included)
-    from halfprec.data import make_synthetic
-    from halfprec.precision import PrecisionPolicy
-    from halfprec.train import evaluate
+    from halfprec.components.data import make_synthetic
+    from halfprec.numerics.policy import PrecisionPolicy
+    from halfprec.training.run import evaluate
 
     from helpers import compose_cfg
 

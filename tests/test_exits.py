@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from halfprec import exits
 from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
+from halfprec.launch import exits
 
 
 @pytest.mark.parametrize(

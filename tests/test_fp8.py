@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from halfprec.config import ConfigError, resolve_device, validate
-from halfprec.train import build, run
+from halfprec.config import resolve_device, validate
+from halfprec.errors import ConfigError
+from halfprec.training.run import build, run
 
 from helpers import compose_cfg
 

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from halfprec.perf import peak_tflops
-from halfprec.train import run
+from halfprec.training.perf import peak_tflops
+from halfprec.training.run import run
 
 from helpers import DTYPES, batch, build_from, compose_cfg, step, torchrun
 

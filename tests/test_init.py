@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from halfprec.init import InitError, apply_init, init_fixup
-from halfprec.models import create_model
-from halfprec.scaling import TrainingAborted
-from halfprec.train import build, run
+from halfprec.components.init import InitError, apply_init, init_fixup
+from halfprec.components.models import create_model
+from halfprec.numerics.scaling import TrainingAborted
+from halfprec.training.run import build, run
 
 from helpers import compose_cfg
 

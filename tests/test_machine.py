@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from halfprec import machine
-from halfprec.checkpoint import checkpoint_files, load_checkpoint
-from halfprec.train import run
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
+from halfprec.training.run import run
 
 from helpers import compose_cfg
 

@@ -1,4 +1,4 @@
-"""halfprec.memory's estimate against hand counts, and benchmarks/memory.py against the estimate."""
+"""halfprec.tools.memory's estimate against hand counts, and benchmarks/memory.py against the estimate."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from halfprec.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes
-from halfprec.precision import OptimizerParams, PrecisionPolicy
-from halfprec.train import Components
+from halfprec.numerics.params import build_params
+from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.tools.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes
+from halfprec.training.run import Components
 
 from helpers import batch, build_from
 
@@ -118,7 +119,7 @@ def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
     policy = PrecisionPolicy("bf16_pure_master", None, torch.bfloat16, True, "nearest", True, False)
     policy.prepare_model(model)
-    params = OptimizerParams(model, policy)
+    params = build_params(model, policy)
     optimizer = torch.optim.SGD(params.params, lr=0.1, momentum=0.9)
     c = Components(model, None, policy, params, optimizer, None, None, torch.device("cpu"))
     model.eval()

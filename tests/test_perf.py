@@ -7,11 +7,11 @@ import torch
 from conftest import read_jsonl
 from omegaconf import open_dict
 
-import halfprec.train
-from halfprec.config import ConfigError
-from halfprec.perf import math_kind, peak_tflops
-from halfprec.precision import PrecisionPolicy
-from halfprec.train import run
+import halfprec.training.run
+from halfprec.errors import ConfigError
+from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.training.perf import math_kind, peak_tflops
+from halfprec.training.run import run
 
 from helpers import compose_cfg, flops_per_step
 
@@ -51,7 +51,7 @@ def test_mfu_is_the_tflops_over_the_peak_of_the_modes_math(tmp_path, monkeypatch
         asked.append(kind)
         return "test chip", 0.004
 
-    monkeypatch.setattr(halfprec.train, "peak_tflops", fake_peak)
+    monkeypatch.setattr(halfprec.training.run, "peak_tflops", fake_peak)
     rows = perf_rows(tmp_path, "precision=bf16")
     assert asked == ["half"]
     for r in rows:

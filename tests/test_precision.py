@@ -6,15 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from halfprec.precision import (
-    OptimizerParams,
-    PrecisionMismatch,
-    PrecisionPolicy,
-    observe_compute_dtypes,
-    stochastic_round_to_bf16,
-)
-from halfprec.scaling import DynamicLossScaler, LossScaler
-from halfprec.step import optimizer_step
+from halfprec.numerics.params import build_params
+from halfprec.numerics.policy import PrecisionMismatch, PrecisionPolicy, observe_compute_dtypes
+from halfprec.numerics.rounding import stochastic_round_to_bf16
+from halfprec.numerics.scaling import DynamicLossScaler, LossScaler
+from halfprec.training.step import optimizer_step
 
 from helpers import batch, compose_cfg
 
@@ -37,7 +33,7 @@ def normed_net() -> nn.Module:
 def test_fp16_pure_stores_fp16_weights_fp32_norms_and_fp32_master_weights():
     model, p = normed_net(), policy("fp16_pure")
     kept = p.prepare_model(model)
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     assert {type(m) for m in kept} == {nn.LayerNorm, nn.BatchNorm1d}
     assert all(m.weight.dtype == F16 for m in model if isinstance(m, nn.Linear))
     assert all(m.weight.dtype == F32 for m in kept)
@@ -53,7 +49,7 @@ def test_fp16_pure_stores_fp16_weights_fp32_norms_and_fp32_master_weights():
 def test_fp16_pure_trains_through_the_step_and_keeps_dtypes():
     model, p = normed_net(), policy("fp16_pure")
     p.prepare_model(model)
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     opt = torch.optim.SGD(params.params, lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = DynamicLossScaler()
@@ -96,7 +92,7 @@ def one_weight_updates(p: PrecisionPolicy, grad: float, lr: float, steps: int) -
     model = nn.Linear(1, 1, bias=False)
     nn.init.ones_(model.weight)
     p.prepare_model(model)
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     opt = torch.optim.SGD(params.params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = LossScaler()
@@ -142,7 +138,7 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
 def test_skipped_step_leaves_low_precision_weights_untouched():
     model, p = normed_net(), policy("bf16_pure", update="kahan")
     p.prepare_model(model)
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     opt = torch.optim.SGD(params.params, lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = [w.clone() for w in model.parameters()]
@@ -156,7 +152,7 @@ def test_skipped_step_leaves_low_precision_weights_untouched():
 def test_stochastic_rounding_leaves_fp32_norms_fp32():
     model, p = normed_net(), policy("bf16_pure", update="stochastic")
     kept = p.prepare_model(model)
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     opt = torch.optim.SGD(params.params, lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch(16)
@@ -169,7 +165,7 @@ def test_stochastic_rounding_leaves_fp32_norms_fp32():
 def test_optimizer_state_stays_fp32_across_a_reload_in_pure_bf16():
     model, p = normed_net(), policy("bf16_pure", update="kahan")
     p.prepare_model(model)
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     opt = torch.optim.AdamW(params.params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch(16)
@@ -183,10 +179,10 @@ def test_optimizer_state_stays_fp32_across_a_reload_in_pure_bf16():
 
 
 def test_injected_nonfinite_gradient_skips_without_touching_batchnorm_stats():
-    from halfprec.train import inject_nonfinite_grad
+    from halfprec.training.run import inject_nonfinite_grad
 
     model, p = normed_net(), policy("fp32")
-    params = OptimizerParams(model, p)
+    params = build_params(model, p)
     opt = torch.optim.SGD(params.params, lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch(32)

@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 from rich.text import Text
 
-from halfprec.progress import Progress, fmt
-from halfprec.scaling import DynamicLossScaler
+from halfprec.numerics.scaling import DynamicLossScaler
+from halfprec.training.progress import Progress, fmt
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,10 @@ import pytest
 from conftest import read_jsonl
 from test_resume import FP32, TRAIN, train_cmd, without_perf
 
-from halfprec.checkpoint import checkpoint_files, load_checkpoint
-from halfprec.config import ConfigError
-from halfprec.scaling import TrainingAborted
-from halfprec.train import run
+from halfprec.errors import ConfigError
+from halfprec.numerics.scaling import TrainingAborted
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
+from halfprec.training.run import run
 
 import wandb_records
 from helpers import compose_cfg
@@ -110,8 +110,8 @@ def test_a_run_that_ends_with_a_nonfinite_loss_diverged(tmp_path):
 
 
 def test_a_stopped_run_is_recorded_as_stopped_and_its_wandb_run_as_resumable(tmp_path, monkeypatch):
-    from halfprec import train
     from halfprec.errors import Preempted
+    from halfprec.training import run as train
 
     def step_then_signal(*args, **kwargs):  # SIGTERM arrives during step 3
         if len(calls) == 2:
@@ -178,7 +178,7 @@ def test_unwritable_wandb_dir_keeps_training(tmp_path, capsys):
 
 
 def test_wandb_failing_midway_is_dropped_with_a_warning(tmp_path, monkeypatch, capsys):
-    from halfprec import tracking
+    from halfprec.training import tracking
 
     calls = []
 
@@ -205,7 +205,7 @@ def test_api_key_never_reaches_saved_files(tmp_path, monkeypatch, capsys):
 
 
 def test_saved_configs_are_redacted(monkeypatch):
-    from halfprec.tracking import redact
+    from halfprec.training.tracking import redact
 
     monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-key")
     config = {"logger": {"note": "key=s3cr3t-key", "api_key": "other"}, "tags": ["s3cr3t-key", "ok"], "lr": 0.1}
@@ -222,7 +222,7 @@ def requeue(signum, frame):  # stands in for submitit's handler: requeue, then e
     sys.exit(0)
 
 signal.signal(signal.SIGUSR1, requeue)
-from halfprec.train import run
+from halfprec.training.run import run
 with initialize_config_dir(sys.argv[1], version_base="1.3"):
     cfg = compose("train", overrides=["logger=none", "trainer.progress=false", "model.hidden=[512,512]",
                                       "trainer.max_steps=2000", "trainer.log_every=5", "trainer.ckpt_every=500"])

@@ -130,7 +130,7 @@ def test_rename_in_a_copy(tmp_path):
     assert not [line for line in status if line.startswith(("??", "D", " D"))]
 
     pyproject = after["pyproject.toml"].decode()  # tomllib is 3.11+; the project supports 3.10
-    assert f'name = "{NEW}"' in pyproject and f'{NEW} = "{NEW}.cli:main"' in pyproject
+    assert f'name = "{NEW}"' in pyproject and f'{NEW} = "{NEW}.tools.cli:main"' in pyproject
     assert f"{NEW.upper()}_DATA" in after["README.md"].decode()
     check = f"import sys, {NEW}.config; assert {OLD!r} not in sys.modules; print({NEW}.__file__)"
     env = {**os.environ, "PYTHONPATH": str(repo / "src")}

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import read_jsonl
 
-from halfprec.report import find_jobs, job_metrics, line_figure, write_report
+from halfprec.tools.report import find_jobs, job_metrics, line_figure, write_report
 
 import wandb_records
 
@@ -29,7 +29,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def report(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "halfprec.cli", "report", *args],
+        [sys.executable, "-m", "halfprec.tools.cli", "report", *args],
         env={**os.environ, **(env or {})},
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -214,7 +214,7 @@ def test_help_is_fast_and_lists_report():
     assert result.returncode == 0 and "report" in result.stdout
     # the heavy imports wait until a command needs them
     heavy = "{'torch', 'matplotlib', 'wandb'}"
-    probe = f"import sys, halfprec.cli, halfprec.report; print(sorted({heavy} & sys.modules.keys()))"
+    probe = f"import sys, halfprec.tools.cli, halfprec.tools.report; print(sorted({heavy} & sys.modules.keys()))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert loaded.stdout.strip() == "[]", loaded.stderr
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import read_jsonl
 
-from halfprec.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
-from halfprec.config import ConfigError
-from halfprec.train import run
+from halfprec.errors import ConfigError
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint, save_checkpoint
+from halfprec.training.run import run
 
 from helpers import compose_cfg
 

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from halfprec.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, TrainingAborted
+from halfprec.numerics.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, TrainingAborted
 
 
 def overflow_pattern(n: int, seed: int = 0, p: float = 0.2) -> list[bool]:

@@ -1,11 +1,11 @@
-"""The optimizer-step contract (DESIGN.md) on the real components."""
+"""The optimizer-step contract (docs/design.md) on the real components."""
 
 import copy
 
 import pytest
 import torch
 
-from halfprec.step import optimizer_step
+from halfprec.training.step import optimizer_step
 
 from helpers import batch, build_from, flat_params, step
 
@@ -152,7 +152,7 @@ def test_steps_without_the_norm_do_the_same_math():
 @pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
 def test_fused_nonfinite_check(bad):
     """One device and dtype: torch's fused check; mixed dtypes: the norm. Both find any inf/NaN."""
-    from halfprec.step import any_nonfinite
+    from halfprec.numerics.grads import any_nonfinite
 
     uniform = [torch.randn(5, 3), torch.randn(7)]
     mixed = [torch.randn(5, 3), torch.randn(7, dtype=torch.bfloat16)]

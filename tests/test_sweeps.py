@@ -95,7 +95,7 @@ def test_a_diverging_job_is_recorded_as_diverged_with_the_counts_of_the_step_tha
     """lr=1e6 skips most steps without 50 in a row: more than half of the last 100 skipped stops it
     (exit 3 alone, "diverged" in the sweep); sweep.jsonl, summary.json, metrics.jsonl and the report
     agree on the skipped steps at that moment; the sweep ends with one line and exit 5."""
-    from halfprec.report import find_jobs, job_metrics
+    from halfprec.tools.report import find_jobs, job_metrics
 
     result = started["diverging"].result()
     assert result.returncode == 5 and "Traceback" not in result.output, result.output[-3000:]
@@ -124,7 +124,8 @@ def test_ctrl_c_stops_the_sweep_after_the_running_jobs_checkpoint(tmp_path):
            "trainer.progress=false", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list(sweep_dir.glob("0_*/metrics.jsonl")):
+    # a logged row: the loop is running, with its handlers (metrics.jsonl is opened just before it)
+    while not any(path.read_text() for path in sweep_dir.glob("0_*/metrics.jsonl")):
         assert time.monotonic() < deadline and proc.poll() is None, "job 0 did not start"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)

@@ -234,9 +234,9 @@ def validate(cfg: DictConfig) -> None:
 
     # model, init and data come last: their keys are checked against the registered factories'
     # signatures, which imports torch; every error above answers without it (~1.5 s sooner)
-    from halfprec.models import MODELS  # light: factories import timm lazily
+    from halfprec.components.models import MODELS  # light: factories import timm lazily
 
-    arch = _one_of(cfg, "model.arch", tuple(MODELS), " (models registered in halfprec.models)")
+    arch = _one_of(cfg, "model.arch", tuple(MODELS), " (models registered in halfprec.components.models)")
     _known_keys(cfg, "model", ["arch", *MODELS[arch].arguments()], f"model.arch={arch}")
     for key in ("hidden", "widths"):
         if key in cfg.model:
@@ -246,7 +246,7 @@ def validate(cfg: DictConfig) -> None:
     if "blocks_per_stage" in cfg.model:
         _int_at_least(cfg, "model.blocks_per_stage", 1, "residual blocks per stage")
     scheme = _one_of(cfg, "init.scheme", INITS)
-    from halfprec.init import INIT_SCHEMES
+    from halfprec.components.init import INIT_SCHEMES
 
     init_args = [a for a in inspect.signature(INIT_SCHEMES[scheme]).parameters if a != "model"]
     extra = ["scalar_lr_scale"] if scheme == "fixup" else []
@@ -266,7 +266,7 @@ def validate(cfg: DictConfig) -> None:
         _positive(cfg, "init.scalar_lr_scale", "lr multiplier of Fixup's scalar biases", optional=True)
 
     # data
-    from halfprec.data import DATASETS  # light: sklearn is imported inside load_digits
+    from halfprec.components.data import DATASETS  # light: sklearn is imported inside load_digits
 
     name = _one_of(cfg, "data.name", tuple(DATASETS))
     batch = _int_at_least(cfg, "data.batch_size", 1, "the micro-batch size; effective batch = batch_size * accum")

@@ -1,4 +1,4 @@
-"""The errors a user sees (halfprec.exits maps each to an exit code and one line). Kept free of
+"""The errors a user sees (halfprec.launch.exits maps each to an exit code and one line). Kept free of
 torch, so that `python train.py --help` and a config error answer without importing it.
 
 Each error pickles with its message: launchers that run jobs in other processes (submitit, joblib)

@@ -10,14 +10,14 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:  # precision.py uses `full` from here
-    from halfprec.precision import PrecisionPolicy
+from halfprec.numerics.grads import full
+from halfprec.numerics.policy import PrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,6 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every rank: a DTensor (FSDP's sharded grads and their norm) gathered; others as they are."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def grad_sync(model: nn.Module, sync: bool):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halfprec.models import register_model
+from halfprec.components.models import register_model
 
 
 def _scalar(value: float) -> nn.Parameter:

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from halfprec.sweep import STATUSES, read_lines  # sweep.jsonl: written by the sweep callback
+from halfprec.launch.sweep_log import STATUSES, read_lines
 
 EXPECTED = (
     "expected a run dir (with metrics.jsonl or .hydra/), a multirun sweep dir (with <n>_<overrides>/ job dirs), "
@@ -217,7 +217,7 @@ def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
         "min scale": summary.get("scaler/min_scale", smallest(rows, "scaler/scale")),
         "final scale": final(rows, "scaler/scale"),
         "samples/s": steady_median(rows, "perf/samples_per_s"),
-        "MFU": steady_median(rows, "perf/mfu"),  # GPUs in halfprec/perf.py's table only
+        "MFU": steady_median(rows, "perf/mfu"),  # GPUs in halfprec/training/perf.py's table only
     }
 
 

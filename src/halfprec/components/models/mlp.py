@@ -6,7 +6,7 @@ import math
 
 from torch import nn
 
-from halfprec.models import register_model
+from halfprec.components.models import register_model
 
 
 @register_model("mlp")

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from halfprec.distributed import full
-from halfprec.precision import COMPUTE_TYPES, OptimizerParams
-from halfprec.tracking import Histogram
+from halfprec.numerics.grads import full
+from halfprec.numerics.params import ParamStrategy
+from halfprec.numerics.policy import COMPUTE_TYPES
+from halfprec.training.tracking import Histogram
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
 FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf
@@ -44,13 +45,13 @@ def _log2_histogram(values: torch.Tensor) -> torch.Tensor:
 
 
 class Diagnostics:
-    def __init__(self, cfg, model: nn.Module, params: OptimizerParams):
+    def __init__(self, cfg, model: nn.Module, params: ParamStrategy):
         self.every = int(cfg.every)
         self.activations = bool(cfg.activations)
         self.skips = bool(cfg.skips)
         self.model = model
         self.compute_layers = [name for name, m in model.named_modules() if isinstance(m, COMPUTE_TYPES)]
-        # parameter indices (in OptimizerParams order) per layer, layers in model order
+        # parameter indices (in ParamStrategy order) per layer, layers in model order
         self.layers: dict[str, list[int]] = {}
         for i, name in enumerate(params.names):
             self.layers.setdefault(layer_of(name), []).append(i)
@@ -62,7 +63,7 @@ class Diagnostics:
         return self.every > 0 and (step == 1 or step % self.every == 0)
 
     @torch.no_grad()
-    def inspect_gradients(self, params: OptimizerParams) -> None:
+    def inspect_gradients(self, params: ParamStrategy) -> None:
         """Called by the optimizer step between unscaling and clipping: the true gradients.
         Under FSDP every rank calls it (each sharded gradient is gathered)."""
         grads = [p.grad for p in params.params]

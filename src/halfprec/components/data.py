@@ -160,7 +160,7 @@ def load_cifar10(
         )
     from torchvision.datasets import CIFAR10
 
-    from halfprec.vision import UnverifiedCIFAR10, cifar10_transforms
+    from halfprec.components.vision import UnverifiedCIFAR10, cifar10_transforms
 
     cifar = CIFAR10 if verify else UnverifiedCIFAR10
     train_tf, val_tf = cifar10_transforms()
@@ -214,7 +214,7 @@ def load_imagefolder(
         )
     from torchvision.datasets import ImageFolder
 
-    from halfprec.vision import imagenet_transforms
+    from halfprec.components.vision import imagenet_transforms
 
     train_tf, val_tf = imagenet_transforms(image_size)
     try:

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from halfprec.report import ReportError, write_report
+    from halfprec.tools.report import ReportError, write_report
 
     try:
         return write_report(args.path, args.out, args.wandb)

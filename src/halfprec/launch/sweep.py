@@ -1,5 +1,5 @@
 """Hydra callback: one line per finished multirun job in `<sweep dir>/sweep.jsonl`, the job's
-failure as one line when it ends, and the sweep's end (see halfprec.exits)."""
+failure as one line when it ends, and the sweep's end (see halfprec.launch.exits)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import sys
 import time
 import traceback
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from halfprec.errors import Preempted, TrainingAborted
-from halfprec.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
+from halfprec.launch import sweep_log
+from halfprec.launch.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
 
 RECORDED = ("train/loss", "val/loss", "val/acc", "scaler/skipped_steps", "scaler/min_scale", "scaler/final_scale")
-STATUSES = ("completed", "failed", "diverged", "stopped")  # in the order the end-of-sweep line counts them
-
-_sweep_dir: Path | None = None  # the multirun this process launched (set in the launching process only)
 
 
 def job_status(err: BaseException | None) -> str:
@@ -35,32 +32,10 @@ def job_status(err: BaseException | None) -> str:
     return "diverged" if isinstance(err, TrainingAborted) else "failed"
 
 
-def read_lines(path: Path) -> dict[int, dict]:
-    """sweep.jsonl by job number; a job run again in the same sweep dir keeps its latest line."""
-    if not path.is_file():
-        return {}
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {line["job"]: line for line in lines if "job" in line}
-
-
-def jobs_recorded() -> bool:
-    return _sweep_dir is not None and bool(read_lines(_sweep_dir / "sweep.jsonl"))
-
-
-def status_counts() -> tuple[Path, dict[str, int]] | None:
-    """(sweep.jsonl, jobs per status) for the multirun this process launched; None after a single run."""
-    if _sweep_dir is None:
-        return None
-    path = _sweep_dir / "sweep.jsonl"
-    counts = Counter(line.get("status", "failed") for line in read_lines(path).values())
-    return path, {status: counts[status] for status in (*STATUSES, *sorted(counts)) if counts[status]}
-
-
 class SweepRecord(Callback):
     """Records overrides, final metrics, skipped steps, status and wall time of every job.
 
-    Written with one O_APPEND write per line, so jobs finishing at once (parallel launchers)
-    do not interleave. A failed job gets a line too, with its error. A stop signal (or Ctrl-C)
+    A failed job gets a line too, with its error. A stop signal (or Ctrl-C)
     ends the sweep after that job's checkpoint; with `fail_fast=true`, so does a failed job.
     """
 
@@ -68,9 +43,9 @@ class SweepRecord(Callback):
         self._started: dict[int, float] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _sweep_dir
-        _sweep_dir = Path(config.hydra.sweep.dir)
-        print(f"sweep dir: {_sweep_dir}", file=sys.stderr, flush=True)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_log.launched = sweep_dir / "sweep.jsonl"  # halfprec.launch.exits counts its lines at the end
+        print(f"sweep dir: {sweep_dir}", file=sys.stderr, flush=True)
         if "optuna" in str(config.hydra.sweeper.get("_target_", "")).lower():
             import optuna  # before the sweeper does: its "new study created" line goes (the sweeper logs the study)
 
@@ -97,13 +72,7 @@ class SweepRecord(Callback):
         }
         if err is not None:
             line["error"] = f"{type(err).__name__}: {err}"
-        path = Path(hydra.sweep.dir) / "sweep.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, (json.dumps(line) + "\n").encode())
-        finally:
-            os.close(fd)
+        sweep_log.append(Path(hydra.sweep.dir) / "sweep.jsonl", line)
         if err is not None:
             self._job_failed(line, err, bool(config.get("fail_fast")))
 

@@ -8,7 +8,6 @@ activations autograd saves for backward. `benchmarks/memory.py` compares it with
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -16,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halfprec.distributed import is_sharded
-from halfprec.precision import OptimizerParams, PrecisionPolicy
+from halfprec.numerics.params import ParamStrategy, nbytes
+from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.training.distributed import is_sharded
 
 if TYPE_CHECKING:  # train.py imports Hydra; this module needs only the components it is given
-    from halfprec.train import Components
+    from halfprec.training.run import Components
 
 MB = 2**20
 
@@ -71,21 +71,21 @@ class MemoryEstimate:
 def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> MemoryEstimate:
     """Bytes that one optimizer step on `batch` holds, for one process without FSDP.
 
-    The state is counted from parameter counts, dtypes and the precision mode (`c.params.mode`):
+    The state is counted from parameter counts and dtypes; what the update adds beside the model's
+    own tensors is the parameter strategy's answer (numerics/params.py, `update_bytes`):
 
     - params: every model parameter at its storage dtype (pure modes store weights in fp16/bf16 and
       keep normalization layers fp32 under keep_norm_fp32); buffers alike.
     - grads: one per trainable parameter, same size and dtype.
     - master weights and master grads: fp32 tensors the optimizer steps beside the model's own.
-      mode "master": a persistent fp32 copy of every trainable parameter, and fp32 gradients made
+      MasterWeights: a persistent fp32 copy of every trainable parameter, and fp32 gradients made
       from the low-precision ones at unscale (an fp32 parameter's gradient is moved, not copied).
-      mode "lowp": no persistent copy, but from unscale to finish_ every low-precision parameter is
-      upcast to fp32 (its low-precision data kept aside) and gets an fp32 gradient, so the update
-      holds the same extra bytes as master weights and grads, for its duration.
+      LowPrecisionParams: no persistent copy, but from unscale to finish_ every low-precision
+      parameter is upcast to fp32 and gets an fp32 gradient: the same extra bytes, for the update.
     - optimizer state: from the optimizer class and its param_group settings (SGD: a momentum
       buffer unless momentum=0; Adam/AdamW: two moments, three with amsgrad), in the dtype the
       optimizer steps (fp32 in every halfprec mode). Any other class raises UnknownOptimizer.
-    - compensation: mode "lowp" with update=kahan: one buffer per parameter, in its dtype.
+    - compensation: a rounding rule's buffers (Kahan: one per parameter, in its dtype).
     - inputs: the batch's storages.
 
     Activations are counted, not predicted: one forward of `batch` under the policy (autocast,
@@ -96,31 +96,28 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     (BatchNorm statistics) and the RNG as they were.
 
     `total` sums the parts, although not all coexist: activations are freed while gradients are
-    made, and in "master" mode the low-precision gradients while master gradients are made. Not
+    made, and with master weights the low-precision gradients while master gradients are made. Not
     counted: the allocator's rounding and cache, cuDNN/cuBLAS workspaces, temporaries in backward
     (gradients of activations) and in the update (foreach/fused optimizer math, Kahan and
     stochastic rounding), autocast's cached casts that are not saved, DDP's gradient buckets.
     """
     if is_sharded(c.model):
         raise ValueError("estimate_memory counts one process's unsharded model; FSDP shards are not supported")
-    p = c.params
-    trainable = p.model_params
-    # fp32 twins of the low-precision parameters: master grads, and lowp's upcasts during the update
-    upcast = _bytes([t for t in trainable if t.dtype != torch.float32], torch.float32)
+    master_weights, master_grads = c.params.update_bytes()
     return MemoryEstimate(
-        params=_bytes(c.model.parameters()),
-        buffers=_bytes(c.model.buffers()),
-        grads=_bytes(trainable),
-        master_weights={"master": _bytes(trainable, torch.float32), "lowp": upcast}.get(p.mode, 0),
-        master_grads=upcast if p.mode != "fp32" else 0,
-        optimizer_state=optimizer_state_bytes(c.optimizer, p, c.device),
-        compensation=_bytes(p.kahan or []),
-        inputs=_bytes(batch),
+        params=nbytes(c.model.parameters()),
+        buffers=nbytes(c.model.buffers()),
+        grads=nbytes(c.params.model_params),
+        master_weights=master_weights,
+        master_grads=master_grads,
+        optimizer_state=optimizer_state_bytes(c.optimizer, c.params, c.device),
+        compensation=nbytes(c.params.compensation),
+        inputs=nbytes(batch),
         activations=activation_bytes(c.model, c.policy, batch),
     )
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: OptimizerParams, device: torch.device) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrategy, device: torch.device) -> int:
     """The state `optimizer` will hold once it has stepped every parameter, in bytes on `device`."""
     rule = STATE_TENSORS.get(type(optimizer))
     if rule is None:
@@ -128,16 +125,14 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: OptimizerPar
         raise UnknownOptimizer(
             f"no memory rule for {type(optimizer).__module__}.{type(optimizer).__qualname__}: how many "
             f"parameter-sized state tensors it keeps is unknown (known: {known}); add it to "
-            "halfprec.memory.STATE_TENSORS"
+            "halfprec.tools.memory.STATE_TENSORS"
         )
     total = 0
     for group in optimizer.param_groups:
         on_device = device.type == "cpu" or group.get("fused") or group.get("capturable")
         step_count = torch.float32.itemsize if isinstance(optimizer, STEP_COUNTERS) and on_device else 0
         for t in group["params"]:
-            # lowp mode steps fp32 upcasts of the low-precision parameters: its state is fp32
-            dtype = torch.float32 if params.mode == "lowp" else t.dtype
-            total += rule(group) * t.numel() * dtype.itemsize + step_count
+            total += rule(group) * t.numel() * params.optimizer_dtype(t).itemsize + step_count
     return total
 
 
@@ -176,9 +171,3 @@ def activation_bytes(model: nn.Module, policy: PrecisionPolicy, batch: tuple[tor
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
-
-
-def _bytes(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> int:
-    """Bytes of the distinct tensors in `tensors` (tied weights once), each in `dtype` or its own."""
-    distinct = {id(t): t for t in tensors}.values()
-    return sum(t.numel() * (dtype or t.dtype).itemsize for t in distinct)

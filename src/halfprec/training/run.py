@@ -20,8 +20,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from halfprec import distributed
-from halfprec.checkpoint import (
+from halfprec.components.data import IGNORE_LABEL, Dataset, TrainBatches, build_dataset
+from halfprec.components.init import apply_init
+from halfprec.components.models import create_model
+from halfprec.config import resolve_device, validate, validate_optimizer
+from halfprec.errors import ConfigError, Preempted
+from halfprec.machine import torch_threads
+from halfprec.numerics.params import ParamStrategy, build_params
+from halfprec.numerics.policy import COMPUTE_TYPES, PrecisionPolicy, observe_compute_dtypes
+from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted, build_scaler
+from halfprec.training import distributed
+from halfprec.training.checkpoint import (
     StopSignals,
     check_resume_config,
     checkpoint_files,
@@ -32,20 +41,12 @@ from halfprec.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from halfprec.config import ConfigError, resolve_device, validate, validate_optimizer
-from halfprec.data import IGNORE_LABEL, Dataset, TrainBatches, build_dataset
-from halfprec.diagnostics import Diagnostics
-from halfprec.distributed import World
-from halfprec.errors import Preempted
-from halfprec.init import apply_init
-from halfprec.machine import torch_threads
-from halfprec.models import create_model
-from halfprec.perf import math_kind, peak_tflops
-from halfprec.precision import COMPUTE_TYPES, OptimizerParams, PrecisionPolicy, observe_compute_dtypes
-from halfprec.progress import Progress, fmt
-from halfprec.scaling import DIVERGING, LossScaler, TrainingAborted, build_scaler
-from halfprec.step import optimizer_step
-from halfprec.tracking import Tracker, build_tracker, saved_config
+from halfprec.training.diagnostics import Diagnostics
+from halfprec.training.distributed import World
+from halfprec.training.perf import math_kind, peak_tflops
+from halfprec.training.progress import Progress, fmt
+from halfprec.training.step import optimizer_step
+from halfprec.training.tracking import Tracker, build_tracker, saved_config
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -56,7 +57,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def build_optimizer(cfg: DictConfig, params: OptimizerParams, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) -> torch.optim.Optimizer:
     """`optim._target_` over the optimizer's tensors. With Fixup, biases and scales get
     lr * init.scalar_lr_scale, chosen by name as in the authors' code (the classifier bias too)."""
     kwargs = {k: v for k, v in cfg.optim.items() if k != "clip_grad_norm"}
@@ -122,7 +123,7 @@ class Components:
     model: nn.Module
     data: Dataset
     policy: PrecisionPolicy
-    params: OptimizerParams
+    params: ParamStrategy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
@@ -154,7 +155,7 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     # same seed, so the same weights on every rank (DDP also broadcasts rank 0's); FSDP shards
     # them in place, so this comes before the optimizer takes the parameters
     net = distributed.wrap(model, world, device, cfg.trainer.distributed, policy)
-    params = OptimizerParams(model, policy)
+    params = build_params(model, policy)
     optimizer = build_optimizer(cfg, params, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = build_scaler(cfg.scaler, policy.uses_fp16)

@@ -41,4 +41,4 @@ def create_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Modu
 
 
 # Registration happens on import; these modules import nothing heavy at module level.
-from halfprec.models import fixup_resnet, mlp, timm_model  # noqa: E402,F401
+from halfprec.components.models import fixup_resnet, mlp, timm_model  # noqa: E402,F401

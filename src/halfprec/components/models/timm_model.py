@@ -6,8 +6,8 @@ import difflib
 
 from torch import nn
 
+from halfprec.components.models import register_model
 from halfprec.errors import ConfigError
-from halfprec.models import register_model
 
 
 @register_model("timm", residual=False)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from halfprec.errors import InitError
-from halfprec.precision import COMPUTE_TYPES, NORM_TYPES
+from halfprec.numerics.policy import COMPUTE_TYPES, NORM_TYPES
 
 
 def init_kaiming(

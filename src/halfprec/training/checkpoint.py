@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from halfprec.errors import ConfigError
+
 CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
 # Config keys that may differ on resume: they change how long or how visibly the run goes on,
@@ -121,8 +123,6 @@ CHECKPOINT_KEYS = ("step", "model", "params", "optimizer", "scheduler", "scaler"
 
 def load_checkpoint(path: Path) -> dict:
     """Load a checkpoint written by save_checkpoint; a torn or foreign file is a ConfigError."""
-    from halfprec.config import ConfigError
-
     try:
         # weights_only=False: the checkpoint holds RNG states and the config, which are not
         # tensors; only load checkpoints you wrote.
@@ -143,8 +143,6 @@ def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
     """`resume=auto`: the newest checkpoint in this run's dir, or None (a fresh start) if there is
     none yet, so the same command serves the first start and every requeue; otherwise a given
     checkpoint file or dir, which must exist."""
-    from halfprec.config import ConfigError
-
     if resume == "auto":
         found = checkpoint_files(ckpt_dir)
         return found[-1] if found else None
@@ -170,8 +168,6 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
-    from halfprec.config import ConfigError
-
     old, new = _flatten(saved), _flatten(current)
     notes = []
     for key in sorted(old.keys() | new.keys()):

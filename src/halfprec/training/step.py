@@ -1,4 +1,4 @@
-"""The optimizer step: one function, read top to bottom (DESIGN.md, "the optimizer-step contract")."""
+"""The optimizer step: one function, read top to bottom (docs/design.md, "The optimizer-step contract")."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from halfprec.distributed import any_rank, full, grad_sync, nonfinite_on_any_rank
-from halfprec.precision import OptimizerParams, PrecisionPolicy
-from halfprec.scaling import LossScaler, TrainingAborted
+from halfprec.numerics.grads import any_nonfinite, full, total_norm
+from halfprec.numerics.params import ParamStrategy
+from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.numerics.scaling import LossScaler, TrainingAborted
+from halfprec.training.distributed import any_rank, grad_sync, nonfinite_on_any_rank
 
 
 @dataclass
@@ -29,11 +31,11 @@ def optimizer_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: LossScaler,
     policy: PrecisionPolicy,
-    params: OptimizerParams,
+    params: ParamStrategy,
     clip_grad_norm: float | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     loss_weight: float = 1.0,
-    inspect: Callable[[OptimizerParams], None] | None = None,
+    inspect: Callable[[ParamStrategy], None] | None = None,
     compute_norm: bool = True,
 ) -> StepResult:
     """Run one optimizer step over `len(micro_batches)` accumulated micro-batches. `compute_norm=False`
@@ -96,33 +98,3 @@ def optimizer_step(
         raise
     mean_loss = losses[0] if k == 1 else torch.stack(losses).mean()
     return StepResult(loss=mean_loss, grad_norm=grad_norm, skipped=found_inf, culprit=culprit)
-
-
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients together. One device and dtype (the usual case) skips
-    get_total_norm's per-call grouping, a third of the check's cost on a small model's CPU step."""
-    if _one_device_and_dtype(grads):
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    return torch.nn.utils.get_total_norm(grads)
-
-
-def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
-    """1 if any gradient holds an inf/NaN, else 0, on the gradients' device, without a host read.
-    torch's fused AMP check reads (and, multiplying by an inverse scale of 1, rewrites) each
-    gradient once; its CUDA kernel takes fp32/fp16 lists on one device. Other lists (bf16, several
-    devices: no halfprec mode makes them) are checked tensor by tensor. FSDP: each rank checks its
-    own shards, and the caller reduces over ranks. `grads` must not be empty."""
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    first = local[0]
-    if first.dtype in (torch.float32, torch.float16) and _one_device_and_dtype(local):
-        found = torch.zeros(1, dtype=torch.float32, device=first.device)
-        one = torch.ones(1, dtype=torch.float32, device=first.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(local, found, one)
-        return found
-    return torch.stack([~torch.isfinite(g).all().to(first.device) for g in local]).any()
-
-
-def _one_device_and_dtype(tensors: list[torch.Tensor]) -> bool:
-    """What torch's foreach kernels want in one call (otherwise they group, or refuse on CUDA)."""
-    first = tensors[0]
-    return all(t.device == first.device and t.dtype == first.dtype for t in tensors)

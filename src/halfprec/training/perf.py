@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from halfprec.precision import PrecisionPolicy
+from halfprec.numerics.policy import PrecisionPolicy
 
 # Dense (no sparsity) peak TFLOP/s from NVIDIA's data sheets: (fp32, tf32, fp16/bf16 tensor cores).
 # Matched against torch.cuda.get_device_name() in order: every word of the key must appear.

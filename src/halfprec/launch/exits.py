@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
+from halfprec.launch import sweep_log
 
 OK = 0
 BUG = 1  # an unexpected exception: the traceback is printed
@@ -94,9 +95,7 @@ def run_cli(main: Callable[[], Any], conf_dir: Path, argv: list[str]) -> int:
 
 
 def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
-    from halfprec import sweep
-
-    if sweep.jobs_recorded():  # a job failed: its line was printed when it ended; now the sweep's
+    if sweep_log.jobs_recorded():  # a job failed: its line was printed when it ended; now the sweep's
         return _end_of_sweep(SWEEP_FAILED if failure_line(err) else _bug(err))
     known = failure_line(err)
     if known is None:
@@ -114,9 +113,7 @@ def _bug(err: BaseException) -> int:
 
 def _end_of_sweep(code: int) -> int:
     """After a multirun: one line with the counts and where sweep.jsonl is; the sweep's exit code."""
-    from halfprec import sweep
-
-    counts = sweep.status_counts()
+    counts = sweep_log.status_counts()
     if counts is None:
         return code
     path, by_status = counts

@@ -1,0 +1,44 @@
+"""sweep.jsonl: one line per finished multirun job (its overrides, final metrics, status, error, wall
+time), written by the sweep callback (halfprec.launch.sweep) and read by the end-of-sweep line and
+`halfprec report`. Torch- and Hydra-free."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+STATUSES = ("completed", "failed", "diverged", "stopped")  # in the order the end-of-sweep line counts them
+
+launched: Path | None = None  # the sweep.jsonl of the multirun this process launched (set by the callback)
+
+
+def append(path: Path, line: dict) -> None:
+    """One O_APPEND write per line, so jobs finishing at once (parallel launchers) do not interleave."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_lines(path: Path) -> dict[int, dict]:
+    """sweep.jsonl by job number; a job run again in the same sweep dir keeps its latest line."""
+    if not path.is_file():
+        return {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {line["job"]: line for line in lines if "job" in line}
+
+
+def jobs_recorded() -> bool:
+    return launched is not None and bool(read_lines(launched))
+
+
+def status_counts() -> tuple[Path, dict[str, int]] | None:
+    """(sweep.jsonl, jobs per status) for the multirun this process launched; None after a single run."""
+    if launched is None:
+        return None
+    counts = Counter(line.get("status", "failed") for line in read_lines(launched).values())
+    return launched, {status: counts[status] for status in (*STATUSES, *sorted(counts)) if counts[status]}

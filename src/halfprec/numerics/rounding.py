@@ -1,0 +1,70 @@
+"""Rounding rules (`precision.update`): how an update computed in fp32 reaches weights stored in
+bf16 or fp16 when there are no fp32 master weights. One class per rule; a new rule is a class here
+and an entry in ROUNDING_RULES, and then `precision.update=<name>` selects it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RoundingRule:
+    """Rounds parameter i's updated fp32 value back to its storage dtype. `before` is the stored
+    value from before the step; rules that carry state between steps keep it in `buffers`, which
+    checkpoints hold and the memory estimate counts."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RoundToNearest(RoundingRule):
+    """What `.half()` training does: an update smaller than half a step of the stored dtype vanishes."""
+
+    def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        return updated.to(before.dtype)
+
+
+class KahanRounding(RoundingRule):
+    """Kahan summation: each step adds the update less the error the last rounding dropped, and
+    remembers what this rounding drops, in a buffer of the weight's own dtype."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.buffers = [torch.zeros_like(p) for p in params]
+
+    def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        # In place on the fp32 upcast, which is dropped after: two fp32 temporaries of the weight
+        # instead of four at once.
+        start = before.float()
+        y = updated.sub_(start).sub_(self.buffers[i])  # the update, less the carried error
+        total = start + y
+        rounded = total.to(before.dtype)
+        self.buffers[i].copy_(total.copy_(rounded).sub_(start).sub_(y))  # what rounding dropped
+        return rounded
+
+
+class StochasticRounding(RoundingRule):
+    """Unbiased: up or down with probability proportional to the distance (bf16 weights only)."""
+
+    def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        return stochastic_round_to_bf16(updated)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to bf16 up or down with probability proportional to the distance.
+
+    bf16 is the top 16 bits of fp32: adding uniform noise to the 16 bits that are dropped
+    and truncating rounds each magnitude up with exactly that probability.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
+    # in place on the noise: one int32 temporary of the weight's size, not three
+    return noise.add_(bits).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+
+
+ROUNDING_RULES: dict[str, type[RoundingRule]] = {
+    "nearest": RoundToNearest,
+    "kahan": KahanRounding,
+    "stochastic": StochasticRounding,
+}
