@@ -10,7 +10,7 @@ See benchmarks/README.md for what is measured how, and measured tables.
 Every contender trains the same model (one build, deep-copied), on the same batches, with the same
 optimizer and hyperparameters, in the same precision mode:
 
-  halfprec    `halfprec.training.run.build(cfg)` and `training.step.optimizer_step(...)`, what train.py runs per step
+  halfprec    `halfprec.training.run.build(cfg)` and its `stepper.step(...)`, what train.py runs per step
   raw         a hand-written torch loop (nanoGPT style): zero_grad, autocast, GradScaler (fp16 only), backward,
               unscale_/clip when clipping, scaler.step, scaler.update, scheduler.step
   lightning   a LightningModule in `lightning.Trainer(precision=...)`
@@ -57,7 +57,6 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.metadata  # noqa: E402
-import inspect  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -82,13 +81,8 @@ from halfprec.components.models import create_model  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
 from halfprec.numerics.params import build_params  # noqa: E402
 from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
+from halfprec.training.perf import math_kind, peak_tflops  # noqa: E402
 from halfprec.training.run import Components, build, build_optimizer, build_scheduler  # noqa: E402
-from halfprec.training.step import optimizer_step  # noqa: E402
-
-try:
-    from halfprec.training.perf import math_kind, peak_tflops  # noqa: E402
-except ImportError:  # an A/B run against a checkout older than halfprec/perf.py (CPU: no MFU anyway)
-    math_kind, peak_tflops = None, None
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CONTENDERS = ("halfprec", "raw", "lightning", "accelerate")
@@ -204,32 +198,19 @@ class Loop:
 
 
 class HalfprecLoop(Loop):
-    """What train.py runs per step: `optimizer_step` on the components `build(cfg)` made."""
+    """What train.py runs per step: the Stepper of the components `build(cfg)` made."""
 
     name = "halfprec"
 
     def __init__(self, c: Components, clip: float | None, log_every: int, batches: list, device: torch.device):
         super().__init__(batches, device)
-        self.c, self.clip, self.log_every = c, clip, log_every
-        # halfprec versions before `compute_norm` computed the norm every step (for A/B runs against them)
-        self.asks_for_norm = "compute_norm" in inspect.signature(optimizer_step).parameters
+        self.c, self.log_every = c, log_every
+        self.stepper = dataclasses.replace(c.stepper, clip_grad_norm=clip)
         self.model, self.optimizer = c.model, c.optimizer
 
     def step(self) -> None:
-        c = self.c
         # train.py computes the grad norm on the steps that log it (every trainer.log_every) only
-        norm = {"compute_norm": self.steps_taken % self.log_every == 0} if self.asks_for_norm else {}
-        result = optimizer_step(
-            c.net or c.model,
-            [self.next_batch()],
-            c.optimizer,
-            c.scheduler,
-            c.scaler,
-            c.policy,
-            c.params,
-            self.clip,
-            **norm,
-        )
+        result = self.stepper.step([self.next_batch()], compute_norm=self.steps_taken % self.log_every == 0)
         self.last_loss = result.loss
 
     def extra_tensors(self) -> Iterable[torch.Tensor]:
@@ -667,7 +648,7 @@ def measure(
                 peak_bytes[loop.name] = max(peak_bytes[loop.name], torch.cuda.max_memory_allocated(device) - others)
 
     raw = raw_loop(loops)
-    peak = peak_tflops(device, math_kind(c.policy)) if peak_tflops else None
+    peak = peak_tflops(device, math_kind(c.policy))
     for loop in loops:
         r = results[loop.name]
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)

@@ -21,7 +21,6 @@ from hydra import compose, initialize_config_dir
 
 from halfprec.training.diagnostics import Diagnostics
 from halfprec.training.run import build
-from halfprec.training.step import optimizer_step
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODELS = {
@@ -37,7 +36,7 @@ def time_steps(c, diag: Diagnostics, batch: tuple, steps: int, grads: bool, acts
         watch = diag.watch_activation_gradients(c.scaler.scale) if acts else contextlib.nullcontext()
         with watch:
             inspect = diag.inspect_gradients if grads else None
-            optimizer_step(c.model, [batch], c.optimizer, c.scheduler, c.scaler, c.policy, c.params, inspect=inspect)
+            c.stepper.step([batch], inspect=inspect)
         if grads or acts:
             diag.collect()  # includes the host read and the histogram objects
     return 1000 * (time.perf_counter() - start) / steps

@@ -7,7 +7,7 @@
 See benchmarks/README.md for what is measured how, and measured tables.
 
 For each (model, precision mode): `halfprec.training.run.build(cfg)` builds the components, then
-`halfprec.training.step.optimizer_step`s run on fresh synthetic batches of the workload's size (the workloads
+steps of its `stepper` run on fresh synthetic batches of the workload's size (the workloads
 of compare_loops.py), one batch alive at a time, until --steps (3) of them have updated the weights
 (fp16's first loss scales may overflow: skipped steps, at most MAX_SKIPS, come on top). Measured
 is the peak of allocated memory over the build and the steps, above what was allocated before the build:
@@ -47,7 +47,6 @@ from torch.profiler import ProfilerActivity, profile
 from halfprec.errors import ConfigError
 from halfprec.tools.memory import MB, estimate_memory
 from halfprec.training.run import Components, build
-from halfprec.training.step import optimizer_step
 
 DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
 # fp16 autocast on a CPU runs ~6x slower than bf16 (compare_loops): the CPU defaults leave it out
@@ -130,16 +129,7 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
         while taken < steps and tries < steps + MAX_SKIPS:
             micro = batch(tries)  # made here, so the peak holds one batch, as the estimate counts
             tries += 1
-            taken += not optimizer_step(
-                c.net or c.model,
-                [micro],
-                c.optimizer,
-                c.scheduler,
-                c.scaler,
-                c.policy,
-                c.params,
-                cfg.optim.clip_grad_norm,
-            ).skipped
+            taken += not c.stepper.step([micro]).skipped
         return c, micro, taken
 
     peak, (c, last, taken) = peak_bytes(device, train)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from halfprec.training.run import Components, build
-from halfprec.training.step import optimizer_step
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAIN = CONF.parent / "train.py"
@@ -29,9 +29,8 @@ def build_from(*overrides: str) -> tuple[Components, object]:
 
 
 def step(c: Components, micro, clip=None, compute_norm=True):
-    return optimizer_step(
-        c.model, micro, c.optimizer, c.scheduler, c.scaler, c.policy, c.params, clip, compute_norm=compute_norm
-    )
+    """One optimizer step of the built components, with clipping at `clip` (None: off)."""
+    return replace(c.stepper, clip_grad_norm=clip).step(micro, compute_norm=compute_norm)
 
 
 def flops_per_step(row: dict) -> float:

@@ -8,7 +8,6 @@ import torch
 from halfprec.config import validate
 from halfprec.errors import ConfigError
 from halfprec.training.diagnostics import FP16_TINY, LOG2_RANGE, Diagnostics
-from halfprec.training.step import optimizer_step
 from halfprec.training.tracking import Histogram
 
 import wandb_records
@@ -73,7 +72,7 @@ def test_skip_source_names_the_layer_where_the_overflow_entered_the_backward():
 
     handle = c.model.get_submodule("3").register_forward_hook(poison)
     try:
-        result = optimizer_step(c.model, [batch(16)], c.optimizer, c.scheduler, c.scaler, c.policy, c.params)
+        result = c.stepper.step([batch(16)])
     finally:
         handle.remove()
     assert result.skipped
@@ -87,7 +86,7 @@ def test_skip_source_of_a_forward_overflow():
     c, diag = diagnostics_for()
     x, y = batch(16)
     x[0, 0, 0, 0] = float("inf")
-    result = optimizer_step(c.model, [(x, y)], c.optimizer, c.scheduler, c.scaler, c.policy, c.params)
+    result = c.stepper.step([(x, y)])
     assert result.skipped
     assert diag.skip_source(result.loss, result.culprit).startswith("the forward pass")
 
@@ -95,7 +94,7 @@ def test_skip_source_of_a_forward_overflow():
 def test_activation_gradients_are_counted_unscaled():
     c, diag = diagnostics_for("precision=fp16")
     with diag.watch_activation_gradients(c.scaler.scale):
-        optimizer_step(c.model, [batch(16)], c.optimizer, c.scheduler, c.scaler, c.policy, c.params)
+        c.stepper.step([batch(16)])
     row = diag.collect()
     assert {k for k in row if k.startswith("act_zero/")} == {"act_zero/1", "act_zero/3", "act_zero/5"}
     assert 0.0 <= row["diag/act_underflow"] < 0.01 and row["diag/act_overflow"] == 0.0

@@ -233,6 +233,7 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from halfprec.components.data import make_synthetic
+    from halfprec.components.tasks import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.distributed import World
     from halfprec.training.run import evaluate
@@ -245,7 +246,7 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     net[1].running_mean.fill_(3.0 * rank)  # the ranks' BatchNorm statistics differ, as after FSDP training
     policy = PrecisionPolicy.from_config(compose_cfg().precision, "cpu")
     data = make_synthetic(shape=[1, 4, 4], num_train=8, num_val=15)
-    metrics = evaluate(net, data, policy, 4, torch.device("cpu"), World(rank, 2))
+    metrics = evaluate(net, data, Classification(), policy, 4, torch.device("cpu"), World(rank, 2))
     metrics["running_mean"] = net[1].running_mean.tolist()
     Path(out, f"rank{rank}.json").write_text(json.dumps(metrics))
     dist.destroy_process_group()
@@ -255,6 +256,7 @@ def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_stat
     # 15 samples: rank 0 takes 8, rank 1 7 and one padding sample; the sums over both equal one
     # process's evaluation of the whole set with rank 0's model (statistics included)
     from halfprec.components.data import make_synthetic
+    from halfprec.components.tasks import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.run import evaluate
 
@@ -266,9 +268,9 @@ def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_stat
     data = make_synthetic(shape=[1, 4, 4], num_train=8, num_val=15)
     policy = PrecisionPolicy.from_config(compose_cfg().precision, "cpu")
     net = _bn_net()
-    alone = evaluate(net, data, policy, 4, torch.device("cpu"))
+    alone = evaluate(net, data, Classification(), policy, 4, torch.device("cpu"))
     net[1].running_mean.fill_(3.0)
-    with_rank_1_statistics = evaluate(net, data, policy, 4, torch.device("cpu"))
+    with_rank_1_statistics = evaluate(net, data, Classification(), policy, 4, torch.device("cpu"))
     assert with_rank_1_statistics["val/loss"] != pytest.approx(alone["val/loss"], rel=1e-3)  # the test can tell
     for metrics in ranks:
         assert metrics["val/loss"] == pytest.approx(alone["val/loss"], rel=1e-6)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from halfprec.components.tasks import Classification
 from halfprec.numerics.params import build_params
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.tools.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes
@@ -121,7 +122,7 @@ def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
     policy.prepare_model(model)
     params = build_params(model, policy)
     optimizer = torch.optim.SGD(params.params, lr=0.1, momentum=0.9)
-    c = Components(model, None, policy, params, optimizer, None, None, torch.device("cpu"))
+    c = Components(model, None, Classification(), policy, params, optimizer, None, None, torch.device("cpu"), None)
     model.eval()
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     stats = [b.clone() for b in model.buffers()]

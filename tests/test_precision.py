@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from halfprec.components.tasks import Classification, Task
 from halfprec.numerics.params import build_params
 from halfprec.numerics.policy import PrecisionMismatch, PrecisionPolicy, observe_compute_dtypes
 from halfprec.numerics.rounding import stochastic_round_to_bf16
 from halfprec.numerics.scaling import DynamicLossScaler, LossScaler
-from halfprec.training.step import optimizer_step
+from halfprec.training.step import Stepper
 
 from helpers import batch, compose_cfg
 
@@ -54,7 +55,9 @@ def test_fp16_pure_trains_through_the_step_and_keeps_dtypes():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = DynamicLossScaler()
     x, y = batch(64)
-    losses = [optimizer_step(model, [(x, y)], opt, sched, scaler, p, params).loss.item() for _ in range(20)]
+    losses = [
+        Stepper(model, Classification(), p, params, opt, sched, scaler).step([(x, y)]).loss.item() for _ in range(20)
+    ]
     assert losses[-1] < 0.5 * losses[0]
     assert all(m.weight.dtype == F16 for m in model if isinstance(m, nn.Linear))
     assert all(m.dtype == F32 for m in params.master)
@@ -87,6 +90,16 @@ def test_precision_mismatch_is_caught():
         p.check(model, seen, [])
 
 
+class Linear(Task):
+    """loss = grad * sum(output): every output gets the gradient `grad`, whatever the targets."""
+
+    def __init__(self, grad: float):
+        self.grad = grad
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.grad * output.sum()
+
+
 def one_weight_updates(p: PrecisionPolicy, grad: float, lr: float, steps: int) -> float:
     """A single weight (1.0 in the policy's storage dtype) under `steps` SGD updates of -lr*grad."""
     model = nn.Linear(1, 1, bias=False)
@@ -98,7 +111,7 @@ def one_weight_updates(p: PrecisionPolicy, grad: float, lr: float, steps: int) -
     scaler = LossScaler()
     x, y = torch.ones(1, 1), torch.zeros(1, dtype=torch.long)
     for _ in range(steps):
-        optimizer_step(model, [(x, y)], opt, sched, scaler, p, params, loss_fn=lambda out, _: grad * out.sum())
+        Stepper(model, Linear(grad), p, params, opt, sched, scaler).step([(x, y)])
     assert model.weight.dtype == p.param_dtype
     return model.weight.item()
 
@@ -144,7 +157,7 @@ def test_skipped_step_leaves_low_precision_weights_untouched():
     before = [w.clone() for w in model.parameters()]
     x, y = batch(8)
     x[0, 0, 0, 0] = float("nan")
-    assert optimizer_step(model, [(x, y)], opt, sched, LossScaler(), p, params).skipped
+    assert Stepper(model, Classification(), p, params, opt, sched, LossScaler()).step([(x, y)]).skipped
     for w, b in zip(model.parameters(), before):
         assert w.dtype == b.dtype and torch.equal(w, b)
 
@@ -157,7 +170,7 @@ def test_stochastic_rounding_leaves_fp32_norms_fp32():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch(16)
     for _ in range(3):
-        assert not optimizer_step(model, [(x, y)], opt, sched, LossScaler(), p, params).skipped
+        assert not Stepper(model, Classification(), p, params, opt, sched, LossScaler()).step([(x, y)]).skipped
     assert all(w.dtype == F32 for m in kept for w in m.parameters())
     assert all(m.weight.dtype == BF16 for m in model if isinstance(m, nn.Linear))
 
@@ -169,13 +182,13 @@ def test_optimizer_state_stays_fp32_across_a_reload_in_pure_bf16():
     opt = torch.optim.AdamW(params.params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch(16)
-    optimizer_step(model, [(x, y)], opt, sched, LossScaler(), p, params)
+    Stepper(model, Classification(), p, params, opt, sched, LossScaler()).step([(x, y)])
     saved = copy.deepcopy(opt.state_dict())
     fresh = torch.optim.AdamW(params.params, lr=1e-3)
     params.load_optimizer_state(fresh, saved)
     states = [s for s in fresh.state.values()]
     assert states and all(s["exp_avg"].dtype == F32 and s["exp_avg_sq"].dtype == F32 for s in states)
-    assert optimizer_step(model, [(x, y)], fresh, sched, LossScaler(), p, params).loss.isfinite()
+    assert Stepper(model, Classification(), p, params, fresh, sched, LossScaler()).step([(x, y)]).loss.isfinite()
 
 
 def test_injected_nonfinite_gradient_skips_without_touching_batchnorm_stats():
@@ -187,7 +200,9 @@ def test_injected_nonfinite_gradient_skips_without_touching_batchnorm_stats():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     x, y = batch(32)
     handle = inject_nonfinite_grad(model, accum=2)
-    result = optimizer_step(model, [(x[:16], y[:16]), (x[16:], y[16:])], opt, sched, LossScaler(), p, params)
+    result = Stepper(model, Classification(), p, params, opt, sched, LossScaler()).step(
+        [(x[:16], y[:16]), (x[16:], y[16:])]
+    )
     handle.remove()
     assert result.skipped
     bn = model[5]

@@ -111,16 +111,16 @@ def test_a_run_that_ends_with_a_nonfinite_loss_diverged(tmp_path):
 
 def test_a_stopped_run_is_recorded_as_stopped_and_its_wandb_run_as_resumable(tmp_path, monkeypatch):
     from halfprec.errors import Preempted
-    from halfprec.training import run as train
+    from halfprec.training.step import Stepper
 
-    def step_then_signal(*args, **kwargs):  # SIGTERM arrives during step 3
+    def step_then_signal(self, *args, **kwargs):  # SIGTERM arrives during step 3
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         calls.append(1)
-        return real_step(*args, **kwargs)
+        return real_step(self, *args, **kwargs)
 
-    calls, real_step = [], train.optimizer_step
-    monkeypatch.setattr(train, "optimizer_step", step_then_signal)
+    calls, real_step = [], Stepper.step
+    monkeypatch.setattr(Stepper, "step", step_then_signal)
     with pytest.raises(Preempted, match="SIGTERM at step 3"):
         run(compose_cfg("logger=wandb", "trainer.max_steps=10"), tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,6 +1,7 @@
 """Checkpoints and exact resume: a run killed with SIGKILL and resumed equals an uninterrupted one."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -115,3 +116,17 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_a_missing_path_is_an_
     assert summary["steps"] == 5 and "no checkpoint in" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no such file"):
         run(compose_cfg(f"resume={tmp_path}/nope.pt"), tmp_path / "other")
+
+
+OLD_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint-80b0cad-bf16_pure_kahan.pt"
+
+
+def test_a_checkpoint_written_before_the_redesign_still_resumes(tmp_path, capsys):
+    """tests/data/README.md says how it was made; its config lacks the keys added since (task,
+    trainer.threads, scaler.max_overflow_rate), which resume as the older versions behaved."""
+    overrides = ["model.hidden=[16]", "trainer.log_every=2", "trainer.val_every=0", "precision=bf16_pure_kahan"]
+    summary = run(compose_cfg(*overrides, "trainer.max_steps=6", f"resume={OLD_CHECKPOINT}"), tmp_path)
+    assert (summary["status"], summary["steps"]) == ("completed", 6)
+    assert f"resume: from {OLD_CHECKPOINT} at step 4 of 6" in capsys.readouterr().err
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if "train/loss" in r] == [6] and all(math.isfinite(r["train/loss"]) for r in rows)

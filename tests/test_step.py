@@ -1,11 +1,10 @@
 """The optimizer-step contract (docs/design.md) on the real components."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
-
-from halfprec.training.step import optimizer_step
 
 from helpers import batch, build_from, flat_params, step
 
@@ -125,10 +124,7 @@ def test_loss_weight_with_inverse_lr_leaves_fp32_sgd_unchanged():
     weighted, _ = build_from(f"optim.lr={0.1 * 2**18}")
     for _ in range(3):
         step(plain, [(x, y)])
-        r = optimizer_step(
-            weighted.model, [(x, y)], weighted.optimizer, weighted.scheduler, weighted.scaler,
-            weighted.policy, weighted.params, loss_weight=2**-18,
-        )  # fmt: skip
+        r = replace(weighted.stepper, loss_weight=2**-18).step([(x, y)])
     torch.testing.assert_close(flat_params(weighted.model), flat_params(plain.model), rtol=1e-5, atol=1e-6)
     assert r.grad_norm < 1e-4  # the norm of the weighted gradients, which is what underflows in fp16
 
@@ -175,17 +171,11 @@ def test_skip_rule_does_not_depend_on_logging(compute_norm):
     before = flat_params(c.model)
     huge = 1e30  # gradients of ~1e29: finite in fp32, their squares are not
     micro = [batch(16, seed=0)]
-    result = optimizer_step(
-        c.model, micro, c.optimizer, c.scheduler, c.scaler, c.policy, c.params, loss_weight=huge,
-        compute_norm=compute_norm,
-    )  # fmt: skip
+    result = replace(c.stepper, loss_weight=huge).step(micro, compute_norm=compute_norm)
     assert not result.skipped and torch.isfinite(flat_params(c.model)).all()
     assert not torch.equal(flat_params(c.model), before)
     if compute_norm:
         assert result.grad_norm.isinf()
     clipped, _ = build_from(*common)
-    result = optimizer_step(
-        clipped.model, micro, clipped.optimizer, clipped.scheduler, clipped.scaler, clipped.policy,
-        clipped.params, clip_grad_norm=1.0, loss_weight=huge, compute_norm=compute_norm,
-    )  # fmt: skip
+    result = replace(clipped.stepper, clip_grad_norm=1.0, loss_weight=huge).step(micro, compute_norm=compute_norm)
     assert result.skipped and clipped.scaler.skipped_steps == 1

@@ -34,6 +34,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # `key=value`, but `+key=value` adds any key: this catches those instead of ignoring them.
 # Model, data, optimizer and init keys are checked against their functions' signatures.
 TOP_KEYS = (
+    "task",
     "accum",
     "seed",
     "resume",
@@ -264,6 +265,11 @@ def validate(cfg: DictConfig) -> None:
         _one_of(cfg, "init.distribution", ("normal", "uniform"))
     if scheme == "fixup":
         _positive(cfg, "init.scalar_lr_scale", "lr multiplier of Fixup's scalar biases", optional=True)
+
+    from halfprec.components.tasks import TASKS
+
+    task = _one_of(cfg, "task.name", tuple(TASKS), " (tasks registered in halfprec.components.tasks)")
+    _known_keys(cfg, "task", ["name", *inspect.signature(TASKS[task]).parameters], f"task={task}")
 
     # data
     from halfprec.components.data import DATASETS  # light: sklearn is imported inside load_digits

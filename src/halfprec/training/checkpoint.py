@@ -29,7 +29,11 @@ CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 # not what a step computes. Anything else (model, precision, data, optimizer, ...) is an error.
 RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
                      "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
-                     "trainer.threads", "data.num_workers", "logger")  # fmt: skip
+                     "trainer.threads", "data.num_workers", "scaler.max_consecutive_skips",
+                     "scaler.max_overflow_rate", "logger")  # fmt: skip
+# Keys added after checkpoints were first written, with the value every older version behaved as:
+# a checkpoint whose config lacks the key resumes when the run asks for that value.
+IMPLIED_BY_OLDER_CHECKPOINTS = {"task.name": "classification"}
 
 
 class StopSignals:
@@ -168,7 +172,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = {**IMPLIED_BY_OLDER_CHECKPOINTS, **_flatten(saved)}, _flatten(current)
     notes = []
     for key in sorted(old.keys() | new.keys()):
         if old.get(key) == new.get(key):

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-from halfprec.components.data import IGNORE_LABEL, Dataset, TrainBatches, build_dataset
+from halfprec.components.data import Dataset, TrainBatches, build_dataset
 from halfprec.components.init import apply_init
 from halfprec.components.models import create_model
+from halfprec.components.tasks import Task, build_task
 from halfprec.config import resolve_device, validate, validate_optimizer
 from halfprec.errors import ConfigError, Preempted
 from halfprec.machine import torch_threads
@@ -45,7 +45,7 @@ from halfprec.training.diagnostics import Diagnostics
 from halfprec.training.distributed import World
 from halfprec.training.perf import math_kind, peak_tflops
 from halfprec.training.progress import Progress, fmt
-from halfprec.training.step import optimizer_step
+from halfprec.training.step import Stepper
 from halfprec.training.tracking import Tracker, build_tracker, saved_config
 
 
@@ -94,26 +94,21 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> torch.
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, data: Dataset, policy: PrecisionPolicy, batch_size: int, device, world: World | None = None
+    model: nn.Module, data: Dataset, task: Task, policy: PrecisionPolicy, batch_size: int, device, world=None
 ) -> dict:
-    """val/loss and val/acc over the whole validation split. Under DDP/FSDP each rank takes its
-    share of the samples and the sums are added over ranks."""
+    """The task's validation metrics over the whole validation split. Under DDP/FSDP each rank takes
+    its share of the samples and the sums are added over ranks."""
     world = world or World()
     model.eval()
     if world.size > 1:
         distributed.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.int64)
-    for x, y in data.val_batches(max(batch_size, 256), device, world.rank, world.size):
+    evaluator = task.evaluator(device)
+    for inputs, targets in data.val_batches(max(batch_size, 256), device, world.rank, world.size):
         with policy.autocast():
-            logits = model(policy.cast_input(x)).float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum", ignore_index=IGNORE_LABEL)  # padding adds 0
-        correct += (logits.argmax(1) == y).sum()
+            evaluator.add(model(policy.cast_input(inputs)), targets)
     model.train()
-    sums = torch.stack([loss_sum.double(), correct.double()])
-    loss_sum, correct = (distributed.sum_over_ranks(sums) if world.size > 1 else sums).tolist()
-    n = len(data.val)
-    return {"val/loss": loss_sum / n, "val/acc": correct / n}
+    sums = evaluator.sums()
+    return evaluator.metrics((distributed.sum_over_ranks(sums) if world.size > 1 else sums).tolist(), len(data.val))
 
 
 @dataclass
@@ -122,15 +117,16 @@ class Components:
 
     model: nn.Module
     data: Dataset
+    task: Task
     policy: PrecisionPolicy
     params: ParamStrategy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     device: torch.device
+    stepper: Stepper  # the optimizer step over the parts above
     world: World = field(default_factory=World)
-    net: nn.Module | None = None  # what the step runs through: the DDP wrapper, or the model itself
-    compiled: nn.Module | None = None  # torch.compile(net) when trainer.compile=true
+    compiled: nn.Module | None = None  # torch.compile(stepper.net) when trainer.compile=true
 
 
 def build(cfg: DictConfig, world: World | None = None) -> Components:
@@ -159,9 +155,12 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     optimizer = build_optimizer(cfg, params, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = build_scaler(cfg.scaler, policy.uses_fp16)
+    task = build_task(cfg.task)
+    clip, weight = cfg.optim.clip_grad_norm, cfg.trainer.loss_weight
+    stepper = Stepper(net, task, policy, params, optimizer, scheduler, scaler, clip, weight)
     # the checkpoints keep saving `model` itself: no `_orig_mod.` prefixes in their keys
     compiled = torch.compile(net) if cfg.trainer.compile else None
-    return Components(model, data, policy, params, optimizer, scheduler, scaler, device, world, net, compiled)
+    return Components(model, data, task, policy, params, optimizer, scheduler, scaler, device, stepper, world, compiled)
 
 
 def use_channels_last(choice: str | bool, model: nn.Module, device: torch.device) -> bool:
@@ -399,19 +398,12 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
             log_due = step == 1 or step % t.log_every == 0 or step == t.max_steps
             # steps that hook into layers run eagerly: a hook added to a compiled model recompiles it
             hooked = step == first or injected is not None or acts is not None
-            net = c.compiled if c.compiled is not None and not hooked else c.net or model
+            net = c.compiled if c.compiled is not None and not hooked else None  # None: the stepper's own
             try:
                 with watch as seen, acts or contextlib.nullcontext(), flops as counter:
-                    result = optimizer_step(
-                        net,
+                    result = c.stepper.step(
                         micro,
-                        c.optimizer,
-                        c.scheduler,
-                        scaler,
-                        policy,
-                        params,
-                        cfg.optim.clip_grad_norm,
-                        loss_weight=t.loss_weight,
+                        net=net,
                         inspect=diag.inspect_gradients if due else None,
                         compute_norm=log_due,  # the grad norm is logged on these steps only
                     )
@@ -471,7 +463,7 @@ def train_loop(cfg: DictConfig, c: Components, batches: TrainBatches, tracker, l
                 loop.clean_loss_sum, loop.clean_steps = 0.0, 0
                 loop.last_row_step, loop.skipped_before, last_time = step, scaler.skipped_steps, now
             if (t.val_every and step % t.val_every == 0) or step == t.max_steps:
-                row.update(evaluate(model, c.data, policy, cfg.data.batch_size, c.device, c.world))
+                row.update(evaluate(model, c.data, c.task, policy, cfg.data.batch_size, c.device, c.world))
                 last_time = time.perf_counter()  # keep validation out of perf/step_ms
             if row:
                 row = {"step": step, "samples": step * per_step, **row}
