@@ -10,7 +10,7 @@ See benchmarks/README.md for what is measured how, and measured tables.
 Every contender trains the same model (one build, deep-copied), on the same batches, with the same
 optimizer and hyperparameters, in the same precision mode:
 
-  halfprec    `halfprec.training.run.build(cfg)` and its `stepper.step(...)`, what train.py runs per step
+  halfprec    `halfprec.training.build.build(cfg)` and its `stepper.step(...)`, what train.py runs per step
   raw         a hand-written torch loop (nanoGPT style): zero_grad, autocast, GradScaler (fp16 only), backward,
               unscale_/clip when clipping, scaler.step, scaler.update, scheduler.step
   lightning   a LightningModule in `lightning.Trainer(precision=...)`
@@ -81,8 +81,8 @@ from halfprec.components.models import create_model  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
 from halfprec.numerics.params import build_params  # noqa: E402
 from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
+from halfprec.training.build import Components, build, build_optimizer, build_scheduler  # noqa: E402
 from halfprec.training.perf import math_kind, peak_tflops  # noqa: E402
-from halfprec.training.run import Components, build, build_optimizer, build_scheduler  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 CONTENDERS = ("halfprec", "raw", "lightning", "accelerate")

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from halfprec.training.build import build
 from halfprec.training.diagnostics import Diagnostics
-from halfprec.training.run import build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODELS = {

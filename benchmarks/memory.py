@@ -6,7 +6,7 @@
 
 See benchmarks/README.md for what is measured how, and measured tables.
 
-For each (model, precision mode): `halfprec.training.run.build(cfg)` builds the components, then
+For each (model, precision mode): `halfprec.training.build.build(cfg)` builds the components, then
 steps of its `stepper` run on fresh synthetic batches of the workload's size (the workloads
 of compare_loops.py), one batch alive at a time, until --steps (3) of them have updated the weights
 (fp16's first loss scales may overflow: skipped steps, at most MAX_SKIPS, come on top). Measured
@@ -46,7 +46,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from halfprec.errors import ConfigError
 from halfprec.tools.memory import MB, estimate_memory
-from halfprec.training.run import Components, build
+from halfprec.training.build import Components, build
 
 DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
 # fp16 autocast on a CPU runs ~6x slower than bf16 (compare_loops): the CPU defaults leave it out

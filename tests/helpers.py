@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from halfprec.training.run import Components, build
+from halfprec.training.build import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAIN = CONF.parent / "train.py"

@@ -236,7 +236,7 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     from halfprec.components.tasks import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.distributed import World
-    from halfprec.training.run import evaluate
+    from halfprec.training.metrics import evaluate
 
     from helpers import compose_cfg
 
@@ -258,7 +258,7 @@ def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_stat
     from halfprec.components.data import make_synthetic
     from halfprec.components.tasks import Classification
     from halfprec.numerics.policy import PrecisionPolicy
-    from halfprec.training.run import evaluate
+    from halfprec.training.metrics import evaluate
 
     from helpers import compose_cfg
 

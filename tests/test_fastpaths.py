@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TRAIN
 
-from halfprec.training.run import use_channels_last
+from halfprec.training.build import use_channels_last
 
 from helpers import batch, build_from, flat_params, step
 

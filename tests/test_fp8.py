@@ -7,7 +7,8 @@ import pytest
 
 from halfprec.config import resolve_device, validate
 from halfprec.errors import ConfigError
-from halfprec.training.run import build, run
+from halfprec.training.build import build
+from halfprec.training.run import run
 
 from helpers import compose_cfg
 

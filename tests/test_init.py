@@ -9,7 +9,8 @@ from torch import nn
 from halfprec.components.init import InitError, apply_init, init_fixup
 from halfprec.components.models import create_model
 from halfprec.numerics.scaling import TrainingAborted
-from halfprec.training.run import build, run
+from halfprec.training.build import build
+from halfprec.training.run import run
 
 from helpers import compose_cfg
 

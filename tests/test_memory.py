@@ -17,7 +17,7 @@ from halfprec.components.tasks import Classification
 from halfprec.numerics.params import build_params
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.tools.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes
-from halfprec.training.run import Components
+from halfprec.training.build import Components
 
 from helpers import batch, build_from
 

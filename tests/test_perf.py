@@ -7,7 +7,7 @@ import torch
 from conftest import read_jsonl
 from omegaconf import open_dict
 
-import halfprec.training.run
+import halfprec.training.metrics
 from halfprec.errors import ConfigError
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training.perf import math_kind, peak_tflops
@@ -51,7 +51,7 @@ def test_mfu_is_the_tflops_over_the_peak_of_the_modes_math(tmp_path, monkeypatch
         asked.append(kind)
         return "test chip", 0.004
 
-    monkeypatch.setattr(halfprec.training.run, "peak_tflops", fake_peak)
+    monkeypatch.setattr(halfprec.training.metrics, "peak_tflops", fake_peak)
     rows = perf_rows(tmp_path, "precision=bf16")
     assert asked == ["half"]
     for r in rows:

@@ -192,7 +192,7 @@ def test_optimizer_state_stays_fp32_across_a_reload_in_pure_bf16():
 
 
 def test_injected_nonfinite_gradient_skips_without_touching_batchnorm_stats():
-    from halfprec.training.run import inject_nonfinite_grad
+    from halfprec.training.probes import inject_nonfinite_grad
 
     model, p = normed_net(), policy("fp32")
     params = build_params(model, p)

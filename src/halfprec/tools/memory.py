@@ -20,7 +20,7 @@ from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training.distributed import is_sharded
 
 if TYPE_CHECKING:  # train.py imports Hydra; this module needs only the components it is given
-    from halfprec.training.run import Components
+    from halfprec.training.build import Components
 
 MB = 2**20
 

@@ -12,16 +12,20 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
-import sys
-import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig
 
+from halfprec.components.data import TrainBatches
 from halfprec.errors import ConfigError
+from halfprec.training import distributed
+from halfprec.training.build import Components
+from halfprec.training.metrics import LoopState
+from halfprec.training.tracking import saved_config
 
 CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
@@ -34,45 +38,6 @@ RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "traine
 # Keys added after checkpoints were first written, with the value every older version behaved as:
 # a checkpoint whose config lacks the key resumes when the run asks for that value.
 IMPLIED_BY_OLDER_CHECKPOINTS = {"task.name": "classification"}
-
-
-class StopSignals:
-    """Turns SIGTERM, SIGUSR1 (SLURM's warning before preemption or time limit) and the first
-    Ctrl-C (SIGINT) into a flag the loop checks after each step, so it stops at a step boundary with
-    a checkpoint. A second Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT:
-            if self.received is not None:
-                raise KeyboardInterrupt
-            if os.environ.get("RANK", "0") == "0":  # torchrun hands the Ctrl-C to every rank: one says so
-                print("\nCtrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit now", file=sys.stderr)
-        self.received = signum
-
-    def forward(self) -> None:
-        """After the checkpoint: hand the signal to the handler we replaced, if it was a function.
-        Under submitit that one requeues the job (and exits); otherwise nothing happens. Never for
-        Ctrl-C, whose default handler would raise KeyboardInterrupt after all."""
-        previous = self._previous.get(self.received)
-        if callable(previous) and self.received != signal.SIGINT:
-            previous(self.received, None)
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            # a SIGINT ignored at start (`nohup`, a background job of a script) stays ignored
-            wanted = [s for s in self.SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)]
-            self._previous = {s: signal.signal(s, self._handle) for s in wanted}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -185,3 +150,62 @@ def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
         if key != "resume":
             notes.append(f"{change} (allowed)")
     return notes
+
+
+def checkpoint_state(
+    cfg: DictConfig, c: Components, batches: TrainBatches, loop: LoopState, tracker, weights: tuple[dict, dict]
+) -> dict:
+    model_state, optimizer_state = weights
+    return {
+        "step": loop.step,
+        "model": model_state,
+        "params": c.params.state_dict(),
+        "optimizer": optimizer_state,
+        "scheduler": c.scheduler.state_dict(),
+        "scaler": c.scaler.state_dict(),
+        "rng": rng_state(),
+        "data": batches.state_dict(),
+        "loop": asdict(loop),
+        "config": saved_config(cfg),
+        "wandb_id": tracker.wandb_id,
+        "world_size": c.world.size,
+    }
+
+
+def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
+    if distributed.is_sharded(c.model):
+        distributed.load_full_state(c.model, c.optimizer, ckpt["model"], ckpt["optimizer"])
+    else:
+        c.model.load_state_dict(ckpt["model"])
+        c.params.load_optimizer_state(c.optimizer, ckpt["optimizer"])
+    c.params.load_state_dict(ckpt["params"])
+    c.scheduler.load_state_dict(ckpt["scheduler"])
+    c.scaler.load_state_dict(ckpt["scaler"])
+    batches.load_state_dict(ckpt["data"])
+    set_rng_state(ckpt["rng"])
+    return LoopState(**ckpt["loop"])
+
+
+class Checkpointer:
+    """Saves the run every trainer.ckpt_every steps (0: only at the end), at the last step and when
+    it stops; crash checkpoints (never picked by resume=auto) when training cannot go on."""
+
+    def __init__(self, cfg: DictConfig, c: Components, batches: TrainBatches, loop: LoopState, tracker, ckpt_dir: Path):
+        self.cfg, self.c, self.batches, self.loop, self.tracker, self.dir = cfg, c, batches, loop, tracker, ckpt_dir
+        self.every, self.keep, self.max_steps = cfg.trainer.ckpt_every, cfg.trainer.ckpt_keep, cfg.trainer.max_steps
+
+    def due(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.max_steps
+
+    def save(self, name: str | None = None) -> Path:
+        loop = self.loop
+        if torch.is_tensor(loop.clean_loss_sum):
+            loop.clean_loss_sum = loop.clean_loss_sum.item()
+        weights = distributed.full_state(self.c.model, self.c.optimizer)  # FSDP: every rank takes part
+        if not self.c.world.is_main:  # the ranks hold the same state (FSDP: gathered to rank 0); rank 0 writes it
+            return self.dir / (name or f"step-{loop.step:08d}.pt")
+        state = checkpoint_state(self.cfg, self.c, self.batches, loop, self.tracker, weights)
+        if name:  # a crash checkpoint: never picked by resume=auto
+            save_atomic(state, self.dir / name)
+            return self.dir / name
+        return save_checkpoint(state, self.dir, loop.step, self.keep)

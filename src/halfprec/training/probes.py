@@ -1,0 +1,107 @@
+"""What watches an optimizer step from outside it: the first step's dtype check and FLOP count,
+gradient diagnostics, overflows injected for testing the skip path, and which module the step runs
+through (steps that hook into layers run eagerly: a hook added to a compiled model recompiles it)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from halfprec.numerics.params import ParamStrategy
+from halfprec.numerics.policy import COMPUTE_TYPES, observe_compute_dtypes
+from halfprec.training.build import Components
+from halfprec.training.diagnostics import Diagnostics
+from halfprec.training.step import StepResult
+
+
+@dataclass
+class Probe:
+    """One step's watchers: the module to run through (None: the stepper's own) and the gradient
+    inspection; after the step, the dtypes its layers computed in."""
+
+    step: int
+    net: nn.Module | None
+    inspect: Callable[[ParamStrategy], None] | None
+    scale_before: float
+    seen: set[torch.dtype] = field(default_factory=set)
+
+
+class StepProbes:
+    def __init__(self, cfg: DictConfig, c: Components, first: int):
+        self.c, self.first, self.accum = c, first, cfg.accum
+        self.inject = set(cfg.trainer.inject_nonfinite_at)
+        self.count_flops = cfg.trainer.count_flops
+        self.diag = Diagnostics(cfg.diagnostics, c.model, c.params)
+        self.step_flops = 0  # this rank's forward + backward FLOPs per optimizer step, counted on the first step
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[Probe]:
+        c, diag, first = self.c, self.diag, step == self.first
+        # under DDP on rank 0 only: the other ranks must skip the step all the same
+        injected = inject_nonfinite_grad(c.model, self.accum) if step in self.inject and c.world.is_main else None
+        watch = observe_compute_dtypes(c.model) if first else contextlib.nullcontext(set())
+        flops = count_flops() if first and self.count_flops else contextlib.nullcontext()
+        due = diag.due(step)
+        acts = diag.watch_activation_gradients(c.scaler.scale) if due and diag.activations else None
+        hooked = first or injected is not None or acts is not None
+        net = c.compiled if c.compiled is not None and not hooked else None
+        probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale)
+        try:
+            with watch as probe.seen, acts or contextlib.nullcontext(), flops as counter:
+                yield probe
+        finally:
+            if injected is not None:
+                injected.remove()
+        if counter is not None:
+            self.step_flops = counter.get_total_flops()
+
+    def row(self, probe: Probe, result: StepResult) -> dict:
+        """The dtypes at the first step (checked against the policy: never silently train in another
+        precision than asked, also on resume), diagnostics, and where a skipped step's inf/NaN began."""
+        c, diag, row = self.c, self.diag, {}
+        if probe.step == self.first:
+            dtypes = c.policy.check(c.model, probe.seen, c.params.master)
+            if probe.step == 1:
+                row.update(dtypes)
+        if probe.inspect is not None:
+            row.update(diag.collect())
+        if result.skipped and diag.skips:  # the loss is read back only on skipped steps
+            source = diag.skip_source(result.loss, result.culprit)
+            row["diag/skip_source"] = source
+            if c.world.is_main:
+                print(
+                    f"step {probe.step}: skipped, inf/NaN gradients from {source}; "
+                    f"scale {probe.scale_before:g} -> {c.scaler.scale:g}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return row
+
+
+def count_flops() -> contextlib.AbstractContextManager:
+    """torch's FLOP counter (matmuls, convolutions, attention; from shapes, no host sync), for the
+    first step only: it sees every op through Python dispatch, which would slow every step."""
+    from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports; not for --help or a config error
+
+    return FlopCounterMode(display=False)
+
+
+def inject_nonfinite_grad(model: nn.Module, accum: int) -> torch.utils.hooks.RemovableHandle:
+    """Make the window's last micro-batch produce inf gradients in the first Linear/Conv layer, for
+    checking the skip path end to end. Through a hook on that layer's output gradient, so the
+    forward (and BatchNorm statistics) stay finite, and it works the same on a sharded model."""
+    layer = next(m for m in model.modules() if isinstance(m, COMPUTE_TYPES))
+    calls = [0]
+
+    def forward_hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == accum and out.requires_grad:
+            out.register_hook(lambda grad: grad * float("inf"))
+
+    return layer.register_forward_hook(forward_hook)
