@@ -38,7 +38,7 @@ def test_fp8_layers_are_torchao_float8_linear():
         (["precision=fp8"], "float8 matmuls need a CUDA GPU of compute capability 8.9+"),
         (["precision=fp16", "precision.fp8=rowwise"], "precision.fp8=rowwise: float8 Linear layers run inside bf16"),
         ([*EMULATED, "model.hidden=[10]"], "no Linear layer of this model has in and out features divisible by 16"),
-        (["precision.fp8=blockwise"], "precision.fp8=blockwise: must be one of null, tensorwise, rowwise"),
+        (["precision.fp8=blockwise"], "precision.fp8=blockwise: must be one of tensorwise, rowwise, null"),
     ],
 )
 def test_fp8_config_errors(overrides, message):

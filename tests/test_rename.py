@@ -143,7 +143,7 @@ def test_dry_run_lists_and_changes_nothing(tmp_path):
     repo = make_template(tmp_path)
     result = rename(repo, NEW, "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert "  pyproject.toml\n" in result.stdout and f"  src/{OLD}/config.py\n" in result.stdout
+    assert "  pyproject.toml\n" in result.stdout and f"  src/{OLD}/training/run.py\n" in result.stdout
     assert "docs/blob.bin" not in result.stdout and "scripts/rename.py" not in result.stdout
     assert f"would move src/{OLD} -> src/{NEW}" in result.stdout
     assert git(repo, "status", "--porcelain") == ""

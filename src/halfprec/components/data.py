@@ -12,6 +12,7 @@ import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from halfprec.errors import ConfigError
 from halfprec.machine import loader_workers
+from halfprec.spec import Spec
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 CIFAR10_FILES = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta"]
@@ -107,7 +109,10 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1], table[:, -1].astype(np.int64)
 
 
-def load_digits(val_size: int = 397, seed: int = 0) -> Dataset:
+def load_digits(
+    val_size: Annotated[int, Spec(low=1, high=1796, doc="validation samples of the 1,797")] = 397,
+    seed: Annotated[int, Spec(low=0, doc="the train/val split's seed")] = 0,
+) -> Dataset:
     """The 1,797 8x8 digit images that ship with scikit-learn, as 1x8x8, standardized by train stats."""
     pixels, labels = _digits_arrays()
     x = torch.tensor(pixels, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
@@ -120,12 +125,12 @@ def load_digits(val_size: int = 397, seed: int = 0) -> Dataset:
 
 
 def make_synthetic(
-    shape: list[int] = (1, 8, 8),
-    num_classes: int = 10,
-    num_train: int = 1024,
-    num_val: int = 256,
-    noise: float = 1.0,
-    seed: int = 0,
+    shape: Annotated[list[int], Spec(low=1, nonempty=True, doc="one sample's shape, e.g. [3, 32, 32]")] = (1, 8, 8),
+    num_classes: Annotated[int, Spec(low=2)] = 10,
+    num_train: Annotated[int, Spec(low=1, doc="training samples")] = 1024,
+    num_val: Annotated[int, Spec(low=1, doc="validation samples")] = 256,
+    noise: Annotated[float, Spec(low=0, doc="the std of the noise around each class's prototype")] = 1.0,
+    seed: Annotated[int, Spec(low=0)] = 0,
 ) -> Dataset:
     """Gaussian clusters around one random prototype per class: learnable, any shape."""
     g = torch.Generator().manual_seed(seed)
@@ -138,13 +143,19 @@ def make_synthetic(
     return Dataset(split(num_train), split(num_val), tuple(shape), num_classes)
 
 
+# The DataLoader's arguments of the datasets read from disk.
+Root = Annotated[str, Spec(nonempty=True, doc="the dataset's directory")]
+NumWorkers = Annotated[Literal["auto"] | int, Spec(low=0, doc="DataLoader processes; 0 = load in the training process")]
+PersistentWorkers = Annotated[bool | None, Spec(doc="null: true when data.num_workers > 0")]
+
+
 def load_cifar10(
-    root: str = "data/cifar10",
-    download: bool = False,
-    verify: bool = True,
-    num_workers: int | str = "auto",
+    root: Root = "data/cifar10",
+    download: Annotated[bool, Spec(doc="let torchvision fetch the archive into data.root")] = False,
+    verify: Annotated[bool, Spec(doc="check torchvision's md5 sums")] = True,
+    num_workers: NumWorkers = "auto",
     pin_memory: bool = True,
-    persistent_workers: bool | None = None,
+    persistent_workers: PersistentWorkers = None,
 ) -> Dataset:
     """torchvision's CIFAR10 from `root`/cifar-10-batches-py: 50,000 training images, randomly cropped and
     flipped; validation on the 10,000 test images. `verify` checks the files against torchvision's md5 sums."""
@@ -193,11 +204,11 @@ def load_cifar10(
 
 
 def load_imagefolder(
-    root: str = "data/imagenet",
-    image_size: int = 224,
-    num_workers: int | str = "auto",
+    root: Root = "data/imagenet",
+    image_size: Annotated[int, Spec(low=1, doc="the side of the square crops the model sees, e.g. 224")] = 224,
+    num_workers: NumWorkers = "auto",
     pin_memory: bool = True,
-    persistent_workers: bool | None = None,
+    persistent_workers: PersistentWorkers = None,
 ) -> Dataset:
     """torchvision's ImageFolder over `root`/train and `root`/val, one folder per class (labels are the
     sorted folder names' indices): random resized crops and flips for training, center crops for validation."""
@@ -249,6 +260,14 @@ def build_dataset(cfg) -> Dataset:
     return DATASETS[cfg.name](**kwargs)
 
 
+def check_batch_size(batch_size: int, world_size: int, n: int) -> None:
+    """A global batch (over all ranks) must fit in the training split: the last partial one is dropped."""
+    if batch_size * world_size > n:
+        ranks = f" over {world_size} processes" if world_size > 1 else ""
+        fix = f"must be <= {n // world_size}: the {n} training samples make no full batch{ranks}"
+        raise ConfigError("data.batch_size", batch_size, fix)
+
+
 class Batches:
     """Endless shuffled micro-batches over a split, reshuffled every epoch, last partial batch dropped.
 
@@ -260,6 +279,7 @@ class Batches:
     def __init__(
         self, split: Split, batch_size: int, seed: int, device: torch.device, rank: int = 0, world_size: int = 1
     ):
+        check_batch_size(batch_size, world_size, len(split))
         self.x, self.y = split.x.to(device), split.y.to(device)
         self.batch_size, self.seed = batch_size * world_size, seed
         self.shard = slice(rank * batch_size, (rank + 1) * batch_size)
@@ -347,10 +367,7 @@ class LoaderBatches:
         workers: Workers | None = None,
     ):
         self.n, self.global_batch, self.device = len(dataset), batch_size * world_size, device
-        if self.global_batch > self.n:
-            ranks = f" over {world_size} processes" if world_size > 1 else ""
-            fix = f"must be <= {self.n // world_size}: the {self.n} training samples make no full batch{ranks}"
-            raise ConfigError("data.batch_size", batch_size, fix)
+        check_batch_size(batch_size, world_size, self.n)
         self.seed, self.epoch, self.index = seed, 0, 0
         self.sampler = _EpochOrder(self.n, batch_size, seed, rank, world_size)
         args = (workers or Workers()).loader_args(device)

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated, Literal
 
 import torch
 from torch import nn
 
 from halfprec.errors import InitError
 from halfprec.numerics.policy import COMPUTE_TYPES, NORM_TYPES
+from halfprec.spec import Spec
+
+Mode = Literal["fan_in", "fan_out"]
+Distribution = Literal["normal", "uniform"]
 
 
 def init_kaiming(
     model: nn.Module,
-    conv_mode: str = "fan_out",
-    linear_mode: str = "fan_in",
-    nonlinearity: str = "relu",
-    distribution: str = "normal",
-    zero_init_last: bool = False,
+    conv_mode: Mode = "fan_out",
+    linear_mode: Mode = "fan_in",
+    nonlinearity: Annotated[str, Spec(doc="the activation the gain is for, e.g. relu")] = "relu",
+    distribution: Distribution = "normal",
+    zero_init_last: Annotated[bool, Spec(doc="zero each residual branch's last norm or multiplier")] = False,
 ) -> None:
     """He et al. 2015: std = gain / sqrt(fan); biases zero, norms (1, 0)."""
     fill = nn.init.kaiming_normal_ if distribution == "normal" else nn.init.kaiming_uniform_
@@ -35,7 +40,9 @@ def init_kaiming(
         _zero_init_last(model)
 
 
-def init_xavier(model: nn.Module, distribution: str = "uniform", gain: float = 1.0) -> None:
+def init_xavier(
+    model: nn.Module, distribution: Distribution = "uniform", gain: Annotated[float, Spec(above=0)] = 1.0
+) -> None:
     """Glorot & Bengio 2010: var = 2 gain^2 / (fan_in + fan_out); biases zero."""
     fill = nn.init.xavier_uniform_ if distribution == "uniform" else nn.init.xavier_normal_
     for m in model.modules():

@@ -2,12 +2,14 @@
 
 Every factory takes `input_shape` (C, H, W) and `num_classes` from the data, so a model config
 never repeats them. Add a model: write a factory, decorate it with `@register_model("name")`,
-import its module below, and add `conf/model/name.yaml` with `arch: name`.
+and add `conf/model/name.yaml` with `arch: name`.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,5 +42,7 @@ def create_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Modu
     return MODELS[cfg.arch].factory(input_shape=tuple(input_shape), num_classes=num_classes, **kwargs)
 
 
-# Registration happens on import; these modules import nothing heavy at module level.
-from halfprec.components.models import fixup_resnet, mlp, timm_model  # noqa: E402,F401
+# Registration happens on import: every module of this package is imported, so a new model is one
+# file here (and its conf/model/ YAML). They import nothing heavy at module level (timm: when used).
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

@@ -9,11 +9,14 @@ network is exactly its trunk.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from halfprec.components.models import register_model
+from halfprec.spec import Spec
 
 
 def _scalar(value: float) -> nn.Parameter:
@@ -83,7 +86,10 @@ class FixupResNet(nn.Module):
 
 @register_model("fixup_resnet", residual=True)
 def create_fixup_resnet(
-    input_shape: tuple[int, ...], num_classes: int, blocks_per_stage: int = 3, widths: list[int] = (8, 16, 32)
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    blocks_per_stage: Annotated[int, Spec(low=1, doc="residual blocks per stage; L = 3 * blocks_per_stage")] = 3,
+    widths: Annotated[list[int], Spec(low=1, nonempty=True, doc="channels per stage")] = (8, 16, 32),
 ) -> nn.Module:
     """3 stages of `blocks_per_stage` basic blocks (L = 3 * blocks_per_stage residual branches)."""
     return FixupResNet(input_shape[0], num_classes, blocks_per_stage, list(widths))

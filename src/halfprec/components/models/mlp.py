@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 from torch import nn
 
 from halfprec.components.models import register_model
+from halfprec.spec import Spec
 
 
 @register_model("mlp")
-def create_mlp(input_shape: tuple[int, ...], num_classes: int, hidden: list[int] = (256, 256)) -> nn.Module:
+def create_mlp(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    hidden: Annotated[list[int], Spec(low=1, nonempty=True, doc="hidden layer widths, e.g. [64, 64]")] = (256, 256),
+) -> nn.Module:
     """Flatten, then Linear+ReLU per entry of `hidden`, then a Linear classifier."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)

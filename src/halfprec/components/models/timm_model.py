@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import difflib
+from typing import Annotated
 
 from torch import nn
 
 from halfprec.components.models import register_model
 from halfprec.errors import ConfigError
+from halfprec.spec import Spec
 
 
 @register_model("timm", residual=False)
 def create_timm_model(
-    input_shape: tuple[int, ...], num_classes: int, name: str = "resnet18", pretrained: bool = False, kwargs=None
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    name: Annotated[str, Spec(doc="a timm model name, e.g. resnet18")] = "resnet18",
+    pretrained: Annotated[bool, Spec(doc="download timm's weights")] = False,
+    kwargs=None,  # passed to timm.create_model as they are
 ) -> nn.Module:
     """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through."""
     import timm  # ~2 s to import: only when a timm model is asked for

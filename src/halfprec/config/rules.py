@@ -1,0 +1,130 @@
+"""The rules that span keys: combinations of valid values that cannot work together, and what the
+machine must offer (a GPU, torchao, a launcher). Each raises one ConfigError line."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig
+
+from halfprec.errors import ConfigError
+
+
+def check_precision(p: DictConfig, distributed: str) -> None:
+    """The precision group's keys together, and with trainer.distributed."""
+    if p.autocast and p.param_dtype != "float32":
+        raise ConfigError("precision.autocast", p.autocast, "autocast needs fp32 parameters; use null in pure modes")
+    if p.master_weights and p.param_dtype == "float32":
+        raise ConfigError("precision.master_weights", True, f"precision={p.name} keeps fp32 weights already; use false")
+    if p.master_weights and p["update"] != "nearest":  # p.update would be DictConfig.update()
+        raise ConfigError(
+            "precision.update", p["update"], "applies to low-precision weights without master weights; "
+            "set precision.master_weights=false or precision.update=nearest",
+        )  # fmt: skip
+    if p["update"] == "stochastic" and p.param_dtype != "bfloat16":
+        raise ConfigError(
+            "precision.update",
+            "stochastic",
+            f"stochastic rounding is implemented for bfloat16 weights, not {p.param_dtype}",
+        )
+    if p.fp8 and (p.autocast != "bfloat16" or p.param_dtype != "float32"):
+        raise ConfigError(
+            "precision.fp8", p.fp8, "float8 Linear layers run inside bf16 autocast on fp32 weights: use precision=fp8"
+        )
+    if distributed == "fsdp" and p.param_dtype != "float32":
+        raise ConfigError(
+            "precision",
+            p.name,
+            "trainer=fsdp keeps fp32 weight shards (the master weights) and computes in precision.autocast's "
+            "dtype through its MixedPrecisionPolicy: use precision=bf16 or fp16 instead of a pure mode",
+        )
+    if distributed != "fsdp" and p.reduce_dtype != "float32":
+        raise ConfigError(
+            "precision.reduce_dtype",
+            p.reduce_dtype,
+            "applies to trainer=fsdp only (DDP and one process reduce in fp32)",
+        )
+
+
+def check_diagnostics(d: DictConfig) -> None:
+    if d.activations and d.every == 0:
+        raise ConfigError(
+            "diagnostics.activations", True, "needs diagnostics.every > 0 (or diagnostics=grads) to take effect"
+        )
+
+
+def check_residual(init: DictConfig, arch: str, models: dict[str, Any]) -> None:
+    """Fixup, and kaiming's zero_init_last, act on residual branches: the model must have them."""
+    if init.scheme == "fixup" and not models[arch].residual:
+        residual = ", ".join(f"model={name}" for name, entry in models.items() if entry.residual)
+        raise ConfigError("init", "fixup", f"model={arch} has no residual branches; Fixup supports {residual}")
+    if init.scheme == "kaiming" and init.zero_init_last and arch != "timm" and not models[arch].residual:
+        raise ConfigError("init.zero_init_last", True, f"model={arch} has no residual branches to zero")
+
+
+def check_workers(data: DictConfig) -> None:
+    if data.get("persistent_workers") and data.get("num_workers") == 0:
+        raise ConfigError(
+            "data.persistent_workers",
+            True,
+            "keeps DataLoader worker processes between epochs, but data.num_workers=0 starts none: "
+            "set data.num_workers >= 1 (e.g. 4), or data.persistent_workers=null",
+        )
+
+
+def check_launch(mode: str) -> None:
+    """trainer.distributed and the launcher must agree; either mismatch would train wrongly in silence."""
+    torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if mode != "none" and not torchrun:
+        raise ConfigError(
+            "trainer.distributed", mode, f"start it with torchrun: torchrun --nproc_per_node=2 train.py trainer={mode}"
+        )
+    if mode == "none" and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+        raise ConfigError(
+            "trainer.distributed",
+            mode,
+            f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}, every process would train alone: "
+            "add trainer=ddp (or trainer=fsdp)",
+        )
+
+
+def resolve_device(cfg: DictConfig):
+    """The torch.device to train on, after checking that the precision mode works there."""
+    import torch
+
+    want = cfg.trainer.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device", want, "no CUDA GPU is visible here; use trainer.device=auto or cpu")
+    device = torch.device("cuda" if want == "auto" and torch.cuda.is_available() else want.replace("auto", "cpu"))
+    p = cfg.precision
+    if p.tf32 and device.type != "cuda":
+        raise ConfigError(
+            "precision", p.name, "TF32 is a CUDA (Ampere+) matmul mode; on CPU it would silently be fp32: use fp32"
+        )
+    if p.fp8:
+        check_fp8(p, device)
+    uses_bf16 = "bfloat16" in (p.autocast, p.param_dtype)
+    if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision", p.name, "this GPU has no bfloat16 support; use fp16 or fp16_pure")
+    return device
+
+
+def check_fp8(p: DictConfig, device) -> None:
+    """float8 matmuls need torchao and, unless emulated, fp8 tensor cores: say which is missing."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("precision", p.name, 'needs torchao: pip install -e ".[fp8]"')
+    if p.fp8_emulate:
+        return
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+        raise ConfigError(
+            "precision",
+            p.name,
+            f"float8 matmuls need a CUDA GPU of compute capability 8.9+ (H100, H200, L4, RTX 4090); this is {where}: "
+            "use precision=bf16, or precision.fp8_emulate=true to check the numerics (slowly)",
+        )

@@ -1,0 +1,148 @@
+"""The types, ranges and allowed values of the config groups whose keys are fixed (halfprec/spec.py
+checks them). Defaults live in conf/; a new option of a group is a YAML file that sets these keys,
+with no code change. The groups whose keys depend on a choice (model, data, init, task) take their
+schema from the chosen component's own annotated arguments; optim from the optimizer's signature."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from halfprec.spec import Spec
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+
+@dataclass
+class Top:
+    """The top-level keys; the groups below are checked by their own schemas."""
+
+    accum: Annotated[int, Spec(low=1, doc="micro-batches per optimizer step, e.g. accum=4")]
+    seed: Annotated[int, Spec(low=0, below=2**32, doc="seeds python, numpy and torch")]
+    resume: Annotated[str | None, Spec(doc="null, auto or a checkpoint path")]
+    objective: Literal["val/acc", "val/loss", "train/loss"]
+    fail_fast: bool
+    task: Any
+    precision: Any
+    scaler: Any
+    init: Any
+    model: Any
+    data: Any
+    optim: Any
+    sched: Any
+    logger: Any
+    trainer: Any
+    diagnostics: Any
+
+
+@dataclass
+class Precision:
+    name: Annotated[str, Spec(doc="the option's name, in logs and errors")]
+    autocast: Dtype | None  # the forward's autocast dtype; null: no autocast (fp32 and pure modes)
+    param_dtype: Dtype  # the dtype the weights are stored in
+    master_weights: bool  # pure modes: fp32 copies for the optimizer
+    update: Annotated[str, Spec(doc="a rounding rule of halfprec/numerics/rounding.py: nearest, kahan, stochastic")]
+    keep_norm_fp32: bool
+    tf32: bool
+    reduce_dtype: Dtype  # trainer=fsdp: the dtype gradients are reduce-scattered in
+    fp8: Annotated[Literal["tensorwise", "rowwise"] | None, Spec(doc="torchao float8 recipes; null = off")]
+    fp8_emulate: bool
+
+
+@dataclass
+class NoScaler:
+    kind: Literal["none"]
+    max_consecutive_skips: Annotated[
+        int | None, Spec(low=1, doc="skipped steps in a row that stop the run; null = never")
+    ]
+    max_overflow_rate: Annotated[
+        float | None, Spec(above=0, high=1, doc="share of the last 100 steps skipped that stops the run; null = never")
+    ]
+
+
+@dataclass
+class StaticScaler(NoScaler):
+    kind: Literal["static"]  # type: ignore[assignment]
+    scale: Annotated[float, Spec(above=0, doc="the fixed loss scale, e.g. 128")]
+
+
+@dataclass
+class DynamicScaler(NoScaler):
+    kind: Literal["dynamic", "auto"]  # type: ignore[assignment]
+    init_scale: Annotated[float, Spec(above=0, doc="the first loss scale, e.g. 65536")]
+    growth_factor: Annotated[float, Spec(above=1, doc="e.g. 2")]
+    backoff_factor: Annotated[float, Spec(above=0, below=1, doc="e.g. 0.5")]
+    growth_interval: Annotated[int, Spec(low=1, doc="clean steps before the scale grows")]
+    hysteresis: Annotated[int, Spec(low=1, doc="overflows tolerated before backing off; 1 = torch's rule")]
+    min_scale: Annotated[float | None, Spec(above=0, doc="the scale floor; null = none")]
+
+
+SCALERS: dict[str, type] = {"none": NoScaler, "static": StaticScaler, "dynamic": DynamicScaler, "auto": DynamicScaler}
+
+
+@dataclass
+class ConstantSchedule:
+    name: Literal["constant", "cosine"]
+    warmup_steps: Annotated[int, Spec(low=0, doc="linear warmup steps")]
+
+
+@dataclass
+class CosineSchedule(ConstantSchedule):
+    min_lr_ratio: Annotated[float, Spec(low=0, high=1, doc="the final lr over the peak lr")]
+
+
+SCHEDULES: dict[str, type] = {"constant": ConstantSchedule, "cosine": CosineSchedule}
+
+
+@dataclass
+class NoLogger:
+    kind: Literal["none", "wandb"]
+
+
+@dataclass
+class WandbLogger(NoLogger):
+    mode: Annotated[Literal["offline", "online", "disabled"], Spec(doc="or set WANDB_MODE")]
+    project: str
+    entity: str | None
+    job_type: str | None
+    tags: list[str]
+    group: str | None  # null: the multirun sweep (one group per sweep), none for single runs
+
+
+LOGGERS: dict[str, type] = {"none": NoLogger, "wandb": WandbLogger}
+
+
+@dataclass
+class Trainer:
+    max_steps: Annotated[int, Spec(low=1, doc="optimizer steps to run")]
+    val_every: Annotated[int, Spec(low=0, doc="optimizer steps between validations; 0 = only at the end")]
+    log_every: Annotated[int, Spec(low=1, doc="optimizer steps between metric rows")]
+    ckpt_every: Annotated[int, Spec(low=0, doc="optimizer steps between checkpoints; 0 = only at the end")]
+    ckpt_keep: Annotated[int, Spec(low=1, doc="checkpoints kept in <run dir>/checkpoints")]
+    device: Literal["auto", "cpu", "cuda"]
+    threads: Annotated[Literal["auto"] | int, Spec(low=1, doc="torch's CPU threads")]
+    nonfinite: Annotated[Literal["skip", "abort"], Spec(doc="what a non-finite step does when nothing scales the loss")]
+    deterministic: bool
+    progress: bool
+    inject_nonfinite_at: Annotated[list[int], Spec(low=1, doc="optimizer steps (1-based), e.g. [3]")]
+    loss_weight: Annotated[float, Spec(above=0, doc="1.0 = the plain loss")]
+    distributed: Literal["none", "ddp", "fsdp"]
+    compile: Annotated[bool, Spec(doc="torch.compile the model")]
+    channels_last: Annotated[Literal["auto", True, False], Spec(doc="auto: conv nets on CUDA")]
+    count_flops: Annotated[bool, Spec(doc="perf/tflops, perf/mfu")]
+
+
+@dataclass
+class Diagnostics:
+    every: Annotated[int, Spec(low=0, doc="optimizer steps between diagnostics rows; 0 = never")]
+    activations: bool
+    skips: bool
+
+
+@dataclass
+class Optim:
+    """The keys every optimizer config has; the others are the optimizer's own arguments."""
+
+    _target_: Annotated[str, Spec(doc="an optimizer class, e.g. torch.optim.SGD")]
+    lr: Annotated[float, Spec(low=0, doc="the peak learning rate")]
+    clip_grad_norm: Annotated[float | None, Spec(above=0, doc="max global grad norm; null = off")]

@@ -1,0 +1,110 @@
+"""Validation of the composed config, before anything heavy is built: the schemas (types, ranges,
+allowed values: config/schema.py and the components' annotated arguments), then the rules that span
+keys (config/rules.py). Every error is one line naming the key, the value and what would work.
+
+Hydra rejects unknown group options and keys that are not in the composed config; `+key=value`
+adds any key, so unknown keys are checked here too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Annotated, Literal, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+
+from halfprec.config import rules, schema
+from halfprec.errors import ConfigError
+from halfprec.spec import Spec, check_node, check_value, known_keys
+
+# `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
+OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
+
+BATCH_SIZE = Annotated[int, Spec(low=1, doc="the micro-batch size; effective batch = batch_size * accum")]
+SCALAR_LR_SCALE = Annotated[float | None, Spec(above=0, doc="lr multiplier of Fixup's scalar biases")]
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError on the first value that cannot work."""
+    check_node(cfg, schema.Top, "", "the top level")
+    check_node(cfg.precision, schema.Precision, "precision", "precision")
+    check_variant(cfg.scaler, "scaler", "kind", schema.SCALERS)
+    check_variant(cfg.sched, "sched", "name", schema.SCHEDULES)
+    check_variant(cfg.logger, "logger", "kind", schema.LOGGERS)
+    check_node(cfg.trainer, schema.Trainer, "trainer", "trainer")
+    check_node(cfg.diagnostics, schema.Diagnostics, "diagnostics", "diagnostics")
+    optim = get_type_hints(schema.Optim, include_extras=True)
+    for key in ("_target_", "lr", "clip_grad_norm"):  # the optimizer's own arguments: validate_optimizer
+        check_value(f"optim.{key}", cfg.optim.get(key), optim[key])
+    rules.check_precision(cfg.precision, cfg.trainer.distributed)
+    rules.check_launch(cfg.trainer.distributed)
+    rules.check_diagnostics(cfg.diagnostics)
+    # the components come last: their schemas are the arguments of registered factories, which
+    # imports torch; every error above answers without it (~1.5 s sooner)
+    validate_components(cfg)
+
+
+def check_variant(node: DictConfig, group: str, key: str, variants: dict[str, type]) -> None:
+    """A group whose keys depend on one of them (scaler.kind, sched.name, logger.kind)."""
+    choice = node.get(key)
+    check_value(f"{group}.{key}", choice, Literal[tuple(variants)])  # type: ignore[valid-type]
+    check_node(node, variants[choice], group, f"{group}.{key}={choice}")
+
+
+def validate_components(cfg: DictConfig) -> None:
+    """model, init, task and data against the registered components' annotated arguments."""
+    from halfprec.components.data import DATASETS  # light: sklearn is imported inside load_digits
+    from halfprec.components.init import INIT_SCHEMES
+    from halfprec.components.models import MODELS  # light: factories import timm lazily
+    from halfprec.components.tasks import TASKS
+    from halfprec.numerics.rounding import ROUNDING_RULES
+
+    rounding = Literal[tuple(ROUNDING_RULES)]  # type: ignore[valid-type]
+    rule = Annotated[rounding, Spec(doc="the rounding rules of halfprec/numerics/rounding.py")]
+    check_value("precision.update", cfg.precision["update"], rule)
+    arch = chosen(cfg, "model.arch", MODELS, "models registered in halfprec.components.models")
+    factory = MODELS[arch].factory
+    check_node(
+        cfg.model, factory, "model", f"model.arch={arch}", extra=("arch",), hidden=("input_shape", "num_classes")
+    )
+    scheme = chosen(cfg, "init.scheme", INIT_SCHEMES, "init schemes of halfprec.components.init")
+    fixup = ("scalar_lr_scale",) if scheme == "fixup" else ()  # read by the optimizer's param groups
+    check_node(cfg.init, INIT_SCHEMES[scheme], "init", f"init={scheme}", extra=("scheme", *fixup), hidden=("model",))
+    if fixup:
+        check_value("init.scalar_lr_scale", cfg.init.get("scalar_lr_scale"), SCALAR_LR_SCALE)
+    rules.check_residual(cfg.init, arch, MODELS)
+    task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
+    check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
+    name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")
+    check_value("data.batch_size", cfg.data.get("batch_size"), BATCH_SIZE)
+    check_node(cfg.data, DATASETS[name], "data", f"data={name}", extra=("name", "batch_size"))
+    rules.check_workers(cfg.data)
+
+
+def chosen(cfg: DictConfig, key: str, registry: dict, what: str) -> str:
+    """The registered component `key` names."""
+    value = OmegaConf.select(cfg, key)
+    if value not in registry:
+        raise ConfigError(key, value, f"must be one of {', '.join(registry)} ({what})")
+    return value
+
+
+def validate_optimizer(cfg: DictConfig) -> None:
+    """Check optim.* against the optimizer's own signature (imports torch)."""
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(cfg.optim._target_)
+    except Exception:
+        raise ConfigError("optim._target_", cfg.optim._target_, "no such class; e.g. torch.optim.SGD") from None
+    import torch
+
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(
+            "optim._target_",
+            cfg.optim._target_,
+            "must be a torch.optim.Optimizer subclass: master weights, skipped steps and checkpoints "
+            "rely on its param_groups and state_dict",
+        )
+    allowed = ["_target_", "clip_grad_norm", *(p for p in inspect.signature(cls).parameters if p != "params")]
+    known_keys(cfg.optim, "optim", allowed, cls.__name__)

@@ -1,0 +1,91 @@
+"""Extending a fork: the short extensions the README promises, each made in a temporary copy of
+the repository and trained there from the command line (docs/design.md, "Layers")."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+# A precision option made of settings that exist: no code change.
+MY_PRECISION = """# pure bf16 weights with Kahan-compensated updates and norms in bf16 too
+defaults: [bf16_pure]
+name: bf16_kahan_all
+update: kahan
+keep_norm_fp32: false
+"""
+
+# A model: one file in components/models/ (registered when the package is imported) and a YAML.
+MY_MODEL = '''"""A CNN of two convolutions, for the test that a model is one file plus a YAML."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from torch import nn
+
+from halfprec.components.models import register_model
+from halfprec.spec import Spec
+
+
+@register_model("tiny_cnn")
+def create_tiny_cnn(
+    input_shape: tuple[int, ...], num_classes: int, channels: Annotated[int, Spec(low=1, doc="conv channels")] = 4
+) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(input_shape[0], channels, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes),
+    )  # fmt: skip
+'''
+
+
+@pytest.fixture(scope="module")
+def fork(tmp_path_factory) -> Path:
+    """A copy of the repository's tracked (and not ignored) files, as a fork starts."""
+    root = tmp_path_factory.mktemp("fork")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    )
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = REPO / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    return root
+
+
+def train(fork: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(fork / "src"), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, str(fork / "train.py"), "logger=none", "trainer.progress=false", "trainer.max_steps=5"]
+    return subprocess.run([*args, *overrides], cwd=fork, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_precision_option_is_a_yaml_file_alone(fork):
+    (fork / "conf" / "precision" / "bf16_kahan_all.yaml").write_text(MY_PRECISION)
+    result = train(fork, "precision=bf16_kahan_all", "hydra.run.dir=runs/precision")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((fork / "runs" / "precision" / "summary.json").read_text())
+    assert (summary["precision/compute_dtype"], summary["precision/param_dtype"]) == ("bfloat16", "bfloat16")
+    assert summary["status"] == "completed"
+
+
+def test_a_model_is_one_file_plus_a_yaml(fork):
+    (fork / "src" / "halfprec" / "components" / "models" / "tiny_cnn.py").write_text(MY_MODEL)
+    (fork / "conf" / "model" / "tiny_cnn.yaml").write_text("# two convolutions\narch: tiny_cnn\nchannels: 4\n")
+    result = train(fork, "model=tiny_cnn", "model.channels=6", "hydra.run.dir=runs/model")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((fork / "runs" / "model" / "summary.json").read_text())["status"] == "completed"
+    # its annotated argument is checked like any config key
+    bad = train(fork, "model=tiny_cnn", "model.channels=0", "hydra.run.dir=runs/bad")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: model.channels=0: must be an integer >= 1 (conv channels)"
