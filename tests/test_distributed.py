@@ -78,6 +78,21 @@ def test_overflow_injected_on_one_rank_skips_the_step_on_both(tmp_path):
     assert rows[1]["scaler/scale"] == rows[0]["scaler/scale"] / 2
 
 
+def test_a_window_of_skipped_steps_after_a_checkpoint_logs_the_mean_loss_over_ranks(tmp_path):
+    """A checkpoint takes the window's loss sum to the host; if every later step of the window is
+    skipped, the row's loss is that float, still averaged over ranks: the same as one process."""
+    common = ["logger=none", "trainer.max_steps=5", "trainer.log_every=5", "trainer.ckpt_every=3",
+              "trainer.inject_nonfinite_at=[4,5]"]  # fmt: skip
+    ddp = torchrun(tmp_path, "trainer=ddp", "data.batch_size=8", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    one = torchrun(tmp_path, "data.batch_size=16", *common, f"hydra.run.dir={tmp_path / 'one'}", nproc=0)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (last_ddp,), (last_one,) = (
+        [r for r in read_jsonl(tmp_path / run / "metrics.jsonl") if r["step"] == 5] for run in ("ddp", "one")
+    )
+    assert last_ddp["scaler/skipped"] == 2 and last_ddp["train/loss"] == pytest.approx(last_one["train/loss"], rel=1e-5)
+
+
 def test_ddp_without_torchrun_is_a_config_error(cli):
     result = cli.run("trainer=ddp", "logger=none")
     assert result.returncode == 2

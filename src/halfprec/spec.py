@@ -15,7 +15,7 @@ import difflib
 import inspect
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -49,7 +49,7 @@ def check_node(
     ones, which the code passes itself) declares, or one of `extra` (checked elsewhere), and holds
     what its annotation allows. Raise ConfigError on the first that does not."""
     # a class other than a dataclass (a task) is described by its constructor's arguments
-    described = schema.__init__ if isinstance(schema, type) and not is_dataclass(schema) else schema
+    described = _constructor(schema) if isinstance(schema, type) and not is_dataclass(schema) else schema
     hints = get_type_hints(described, include_extras=True)
     if is_dataclass(schema):
         declared = [f.name for f in fields(schema)]
@@ -61,13 +61,19 @@ def check_node(
             check_value(f"{prefix}.{key}" if prefix else key, node[key], hints[key])
 
 
+def _constructor(cls: type[Any]) -> Callable:
+    # read from type[Any]: mypy rejects `__init__` on a plain `type` value (a subclass may differ)
+    return cls.__init__
+
+
 def known_keys(node: DictConfig, prefix: str, allowed: list[str], owner: str) -> None:
     """`+key=value` adds any key: catch those instead of ignoring them, with the closest name."""
     for key in node:
         if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
+            text = str(key)  # a DictConfig key may be typed int, bytes or Enum; a composed config's are str
+            close = difflib.get_close_matches(text, allowed, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            full = f"{prefix}.{key}" if prefix else key
+            full = f"{prefix}.{text}" if prefix else text
             raise ConfigError(full, node[key], f"unknown key for {owner}; {hint}it takes: {', '.join(allowed)}")
 
 
@@ -84,13 +90,18 @@ def unwrap(hint: Any) -> tuple[Any, Spec]:
     return hint, Spec()
 
 
+# annotations a config list fits: `list[int]`, `tuple[int, ...]`, `Sequence[int]` (whose origin is
+# collections.abc.Sequence, for typing's alias too)
+SEQUENCES = (list, tuple, Sequence, typing.Sequence)
+
+
 def fits(value: Any, kind: Any, spec: Spec) -> bool:
     origin = get_origin(kind)
     if origin in (Union, types.UnionType):
         return any(fits(value, member, spec) for member in get_args(kind))
     if origin is Literal:  # by type too: 1 is not True, 0.0 not False
         return any(type(value) is type(choice) and value == choice for choice in get_args(kind))
-    if origin in (list, tuple, typing.Sequence) or kind in (list, tuple):
+    if origin in SEQUENCES or kind in SEQUENCES:
         items = get_args(kind)[:1] or (Any,)
         is_list = isinstance(value, (ListConfig, list, tuple))
         return is_list and (len(value) > 0 or not spec.nonempty) and all(fits(v, items[0], spec) for v in value)
@@ -148,7 +159,7 @@ def name(kind: Any, spec: Spec) -> str:
         return ("an integer" if kind is int else "a number") + bounds(spec)
     if kind is str:
         return "a non-empty string" if spec.nonempty else "a string"
-    if get_origin(kind) in (list, tuple, typing.Sequence) or kind in (list, tuple):
+    if get_origin(kind) in SEQUENCES or kind in SEQUENCES:
         item = (get_args(kind)[:1] or (Any,))[0]
         noun = {int: "integers", float: "numbers", str: "strings"}.get(item, "values")
         return f"a {'non-empty ' if spec.nonempty else ''}list of {noun}{bounds(spec)}"

@@ -9,10 +9,10 @@ the same sample order, rank slices and resumable position as the in-memory ones.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 import numpy as np
 import torch
@@ -125,7 +125,7 @@ def load_digits(
 
 
 def make_synthetic(
-    shape: Annotated[list[int], Spec(low=1, nonempty=True, doc="one sample's shape, e.g. [3, 32, 32]")] = (1, 8, 8),
+    shape: Annotated[Sequence[int], Spec(low=1, nonempty=True, doc="one sample's shape, e.g. [3, 32, 32]")] = (1, 8, 8),
     num_classes: Annotated[int, Spec(low=2)] = 10,
     num_train: Annotated[int, Spec(low=1, doc="training samples")] = 1024,
     num_val: Annotated[int, Spec(low=1, doc="validation samples")] = 256,
@@ -247,7 +247,7 @@ def load_imagefolder(
 
 
 # `data.name` -> loader; the other `data.*` keys (but batch_size) are the loader's arguments.
-DATASETS = {
+DATASETS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "synthetic": make_synthetic,
     "cifar10": load_cifar10,
@@ -258,6 +258,12 @@ DATASETS = {
 def build_dataset(cfg) -> Dataset:
     kwargs = {k: v for k, v in cfg.items() if k not in ("name", "batch_size")}
     return DATASETS[cfg.name](**kwargs)
+
+
+def num_samples(dataset: Split | TorchDataset) -> int:
+    """len() of a split: torch's Dataset declares no __len__, but the map-style ones used here
+    (torchvision's, ours) all have one."""
+    return len(cast(Sized, dataset))
 
 
 def check_batch_size(batch_size: int, world_size: int, n: int) -> None:
@@ -344,7 +350,7 @@ class _SeededSamples(TorchDataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return num_samples(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]):
         index, seed = key
@@ -366,13 +372,14 @@ class LoaderBatches:
         world_size: int = 1,
         workers: Workers | None = None,
     ):
-        self.n, self.global_batch, self.device = len(dataset), batch_size * world_size, device
+        self.n, self.global_batch, self.device = num_samples(dataset), batch_size * world_size, device
         check_batch_size(batch_size, world_size, self.n)
         self.seed, self.epoch, self.index = seed, 0, 0
         self.sampler = _EpochOrder(self.n, batch_size, seed, rank, world_size)
         args = (workers or Workers()).loader_args(device)
         self.loader = DataLoader(_SeededSamples(dataset), batch_size, sampler=self.sampler, **args)
-        self._batches = None  # this epoch's DataLoader iterator, started by the first next()
+        # this epoch's DataLoader iterator, started by the first next()
+        self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
@@ -427,7 +434,7 @@ class _RankShare(TorchDataset):
     """A rank's share of a map-style validation set (see `rank_share`)."""
 
     def __init__(self, dataset: TorchDataset, rank: int, world_size: int):
-        self.dataset, self.share = dataset, rank_share(len(dataset), rank, world_size).tolist()
+        self.dataset, self.share = dataset, rank_share(num_samples(dataset), rank, world_size).tolist()
 
     def __len__(self) -> int:
         return len(self.share)

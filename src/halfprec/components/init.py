@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -14,6 +14,13 @@ from halfprec.spec import Spec
 
 Mode = Literal["fan_in", "fan_out"]
 Distribution = Literal["normal", "uniform"]
+
+
+@runtime_checkable
+class ZeroInitLast(Protocol):
+    """A residual block that can zero its branch's last norm or multiplier (init.zero_init_last)."""
+
+    def zero_init_last(self) -> None: ...
 
 
 def init_kaiming(
@@ -29,13 +36,15 @@ def init_kaiming(
     for m in model.modules():
         if isinstance(m, COMPUTE_TYPES):
             mode = linear_mode if isinstance(m, nn.Linear) else conv_mode
-            fill(m.weight, mode=mode, nonlinearity=nonlinearity)
+            # torch types `nonlinearity` as a Literal of the names it knows, and checks the string itself
+            fill(m.weight, mode=mode, nonlinearity=cast(Any, nonlinearity))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, NORM_TYPES) and getattr(m, "weight", None) is not None:
             nn.init.ones_(m.weight)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)  # RMSNorm has none
+            if bias is not None:
+                nn.init.zeros_(bias)
     if zero_init_last:
         _zero_init_last(model)
 
@@ -60,7 +69,8 @@ def init_fixup(model: nn.Module) -> None:
     L^(-1/(2m-2)); the scalar biases start at 0 and the branch multipliers at 1. The stem keeps
     the model's default init.
     """
-    blocks = model.residual_blocks() if hasattr(model, "residual_blocks") else []
+    residual_blocks = getattr(model, "residual_blocks", None)  # a method of the models with residual branches
+    blocks = residual_blocks() if residual_blocks is not None else []
     if not blocks:
         raise InitError(f"init=fixup needs a model with residual branches; {type(model).__name__} has none")
     depth = len(blocks)
@@ -75,12 +85,12 @@ def init_fixup(model: nn.Module) -> None:
         nn.init.zeros_(layers[-1].weight)
         for name, p in block.named_parameters(recurse=False):
             nn.init.constant_(p, 1.0 if name == "scale" else 0.0)
-    nn.init.zeros_(model.classifier.weight)
-    nn.init.zeros_(model.classifier.bias)
+    nn.init.zeros_(model.get_parameter("classifier.weight"))
+    nn.init.zeros_(model.get_parameter("classifier.bias"))
 
 
 def _zero_init_last(model: nn.Module) -> None:
-    blocks = [m for m in model.modules() if hasattr(m, "zero_init_last") and m is not model]
+    blocks = [m for m in model.modules() if isinstance(m, ZeroInitLast) and m is not model]
     if not blocks:
         raise InitError(f"init.zero_init_last=true: {type(model).__name__} has no residual blocks to zero")
     for block in blocks:

@@ -190,6 +190,7 @@ def user_overrides(argv: list[str]) -> list[str]:
         if override.is_sweep_override():
             kept.append(f"{key}={next(iter(override.sweep_string_iterator()))}")
         else:
+            assert override.input_line is not None  # parse_overrides keeps each override's text
             kept.append(override.input_line)
     return kept
 

@@ -40,7 +40,8 @@ class ParamStrategy:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]
-        self.params = self.model_params
+        # the model's own Parameters, as Tensors: MasterWeights puts other tensors here
+        self.params: list[torch.Tensor] = list(self.model_params)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """(parameter name in the model, tensor the optimizer steps) pairs, for param groups."""

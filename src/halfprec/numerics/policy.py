@@ -84,7 +84,7 @@ class PrecisionPolicy:
         if not self.is_pure:
             return []
         model.to(self.param_dtype)
-        kept = []
+        kept: list[nn.Module] = []
         if self.keep_norm_fp32:
             for module in model.modules():
                 if isinstance(module, NORM_TYPES):
@@ -133,7 +133,7 @@ class PrecisionPolicy:
         master_dtypes = {t.dtype for t in master}
         if self.master_weights and master_dtypes != {torch.float32}:
             raise PrecisionMismatch(f"precision={self.name}: master weights are not fp32")
-        dtypes = {
+        dtypes: dict[str, str | int] = {
             "precision/compute_dtype": _name(expected),
             "precision/param_dtype": _name(self.param_dtype),
             "precision/master_dtype": "float32" if self.master_weights or not self.is_pure else "none",

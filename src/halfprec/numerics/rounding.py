@@ -4,6 +4,8 @@ and an entry in ROUNDING_RULES, and then `precision.update=<name>` selects it.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -12,7 +14,7 @@ class RoundingRule:
     value from before the step; rules that carry state between steps keep it in `buffers`, which
     checkpoints hold and the memory estimate counts."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.buffers: list[torch.Tensor] = []
 
     def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
@@ -30,7 +32,7 @@ class KahanRounding(RoundingRule):
     """Kahan summation: each step adds the update less the error the last rounding dropped, and
     remembers what this rounding drops, in a buffer of the weight's own dtype."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.buffers = [torch.zeros_like(p) for p in params]
 
     def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:

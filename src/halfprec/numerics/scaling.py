@@ -38,8 +38,9 @@ class LossScaler:
         self.backoffs = 0
         self.min_seen = self.scale
         self.max_seen = self.scale
-        self.recent = deque(maxlen=window)  # 1 per overflowed step, for scaler/overflow_rate
-        self.history = deque(maxlen=12)  # (step, scale after the update, overflowed): for crash reports
+        self.recent: deque[int] = deque(maxlen=window)  # 1 per overflowed step, for scaler/overflow_rate
+        # (step, scale after the update, overflowed): for crash reports
+        self.history: deque[tuple[int, float, bool]] = deque(maxlen=12)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scale == 1.0 else loss * self.scale
@@ -67,6 +68,7 @@ class LossScaler:
         # with never 50 in a row). Counted against the whole window, so the limit is known to be
         # passed as soon as it is, and the few back-offs of a fresh dynamic scale never reach it.
         rate, window = self.max_overflow_rate, self.recent.maxlen
+        assert window is not None  # `recent` is always made with a maxlen
         if rate is not None and sum(self.recent) > rate * window:
             raise TrainingAborted(
                 f"{sum(self.recent)} of the last {window} optimizer steps had inf/NaN gradients "
@@ -93,7 +95,16 @@ class LossScaler:
         }
 
     # What changes while training; the settings (init_scale, growth_interval, ...) come from the config.
-    STATE = ("scale", "steps", "skipped_steps", "consecutive_skips", "growths", "backoffs", "min_seen", "max_seen")
+    STATE: tuple[str, ...] = (
+        "scale",
+        "steps",
+        "skipped_steps",
+        "consecutive_skips",
+        "growths",
+        "backoffs",
+        "min_seen",
+        "max_seen",
+    )
 
     def state_dict(self) -> dict:
         state = {k: getattr(self, k) for k in self.STATE}

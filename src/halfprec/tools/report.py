@@ -392,10 +392,12 @@ def palette(n: int) -> list[Any]:
     get a gradient: ordered values (numbers are sorted) still read from dark to light."""
     from matplotlib import colormaps
 
+    # tab10 and tab20 are ListedColormaps, whose `colors` is a tuple of RGB tuples; matplotlib types the
+    # registry's entries as Colormap (no `colors`), and ListedColormap.colors as any array-like or colour
     if n <= 10:
-        return list(colormaps["tab10"].colors[:n])
+        return list(colormaps["tab10"].colors[:n])  # type: ignore[attr-defined]
     if n <= 20:
-        tab20 = colormaps["tab20"].colors
+        tab20 = colormaps["tab20"].colors  # type: ignore[attr-defined]
         return list((tab20[0::2] + tab20[1::2])[:n])
     return [colormaps["viridis"](i / (n - 1)) for i in range(n)]
 
@@ -416,6 +418,8 @@ def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[tuple[Any, s
     values (the first and second swap when only the first fits four). Three or more keys, or two
     with many values each: a colour per group, so no two groups look alike."""
     values = {key: ordered_values([group.overrides.get(key) for group in groups]) for key in keys}
+    colour_key: str | None
+    style_key: str | None
     colour_key, style_key = (keys[0], None) if keys else (None, None)
     if len(keys) == 2:
         first, second = keys
@@ -674,7 +678,7 @@ def wandb_table(header: list[str], rows: list[list[Any]]) -> Any:
     spread_columns = [
         column in METRIC_FORMATS and any(isinstance(row[i], Spread) for row in rows) for i, column in enumerate(header)
     ]
-    columns = [
+    columns: list[str | int] = [  # wandb.Table's annotation; the names are all strings
         name
         for column, split in zip(header, spread_columns)
         for name in ([column, f"{column} std", f"{column} n"] if split else [column])
@@ -706,7 +710,9 @@ def log_to_wandb(root: Path, out: Path, jobs: list[Job], tables: dict[str, Table
     run = wandb.init(
         project=logger.get("project") or "halfprec",
         entity=logger.get("entity"),
-        mode=os.environ.get("WANDB_MODE", "offline"),  # the project's default: no account or network needed
+        # the project's default: no account or network needed. wandb annotates `mode` as a Literal of its
+        # modes and checks the environment's string itself
+        mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
         dir=os.environ.get("WANDB_DIR") or str(out),
         group=group,
         job_type="report",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -117,7 +118,8 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     clip, weight = cfg.optim.clip_grad_norm, cfg.trainer.loss_weight
     stepper = Stepper(net, task, policy, params, optimizer, scheduler, scaler, clip, weight)
     # the checkpoints keep saving `model` itself: no `_orig_mod.` prefixes in their keys
-    compiled = torch.compile(net) if cfg.trainer.compile else None
+    # torch.compile types its result as a callable; given a Module it returns one (an OptimizedModule)
+    compiled = cast(nn.Module, torch.compile(net)) if cfg.trainer.compile else None
     return Components(model, data, task, policy, params, optimizer, scheduler, scaler, device, stepper, world, compiled)
 
 

@@ -69,7 +69,7 @@ class Diagnostics:
         grads = [p.grad for p in params.params]
         counts, hists = [], []
         for indices in self.layers.values():
-            flat = [full(grads[i]).flatten() for i in indices if grads[i] is not None]
+            flat = [full(grad).flatten() for grad in (grads[i] for i in indices) if grad is not None]
             if not flat:
                 counts.append(torch.zeros(4, device=params.params[indices[0]].device))
                 hists.append(torch.zeros(LOG2_RANGE[1] - LOG2_RANGE[0], device=counts[-1].device))
@@ -107,7 +107,7 @@ class Diagnostics:
     def collect(self) -> dict:
         """The row for this diagnostics step: fractions for metrics.jsonl and W&B, histograms for W&B."""
         row: dict = {}
-        if self._grad_counts is not None:
+        if self._grad_counts is not None and self._grad_hists is not None:  # set together
             counts, hists = self._grad_counts.cpu(), self._grad_hists.cpu()  # the one host read
             row.update(_fractions("grad", list(self.layers), counts))
             edges = [float(e) for e in range(LOG2_RANGE[0], LOG2_RANGE[1] + 1)]

@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from torch import nn
 
 from halfprec.numerics.grads import full
 from halfprec.numerics.policy import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ def shard(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     for child in model.children():
         if any(p.requires_grad for p in child.parameters()):
             fully_shard(child, mp_policy=mp)
-    return fully_shard(model, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)  # in place: it returns `model` itself, typed as FSDPModule
+    return model
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -96,15 +100,16 @@ def grad_sync(model: nn.Module, sync: bool):
     last micro-batch that is skipped, and the gradients accumulate locally."""
     if sync:
         return contextlib.nullcontext()
+    # the casts: what the hasattr found (nn.Module's __getattr__ would type it as a Tensor or Module)
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        return _fsdp_no_sync(model)
+        return _fsdp_no_sync(cast("FSDPModule", model))
     if hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()
+        return cast(nn.parallel.DistributedDataParallel, model).no_sync()
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module):
+def _fsdp_no_sync(model: FSDPModule):
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -200,7 +205,7 @@ def check_ranks_agree(model: nn.Module, scale: float, skipped: int) -> None:
     for p in model.parameters():  # under FSDP: gathered, so the ranks compare whole weights
         digest.update(full(p.detach()).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     mine = (digest.hexdigest(), scale, skipped)
-    every = [None] * dist.get_world_size()
+    every: list[tuple[str, float, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if any(other != every[0] for other in every):
         raise RuntimeError(f"ranks diverged (weights sha256, scale, skipped steps per rank): {every}")

@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from halfprec.components.data import Dataset
+from halfprec.components.data import Dataset, num_samples
 from halfprec.components.tasks import Task
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training import distributed
@@ -60,7 +60,9 @@ class MetricsWindow:
         loop, scaler, now = self.loop, self.c.scaler, time.perf_counter()
         n, seconds = step - loop.last_row_step, now - self.last_time
         loss = loop.clean_loss_sum / loop.clean_steps if loop.clean_steps else result.loss
-        loss = distributed.mean_over_ranks(loss)  # DDP: each rank saw its own slice of the batch
+        if self.c.world.size > 1:  # DDP: each rank saw its own slice of the batch (a float after a checkpoint)
+            loss = distributed.mean_over_ranks(torch.as_tensor(loss, device=result.loss.device))
+        assert result.grad_norm is not None  # the loop asks for the norm on the steps that log a row
         row = {
             "train/loss": float(loss),
             "train/lr": lr,
@@ -127,4 +129,6 @@ def evaluate(
             evaluator.add(model(policy.cast_input(inputs)), targets)
     model.train()
     sums = evaluator.sums()
-    return evaluator.metrics((distributed.sum_over_ranks(sums) if world.size > 1 else sums).tolist(), len(data.val))
+    return evaluator.metrics(
+        (distributed.sum_over_ranks(sums) if world.size > 1 else sums).tolist(), num_samples(data.val)
+    )

@@ -8,6 +8,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -45,8 +46,12 @@ class StepProbes:
         c, diag, first = self.c, self.diag, step == self.first
         # under DDP on rank 0 only: the other ranks must skip the step all the same
         injected = inject_nonfinite_grad(c.model, self.accum) if step in self.inject and c.world.is_main else None
-        watch = observe_compute_dtypes(c.model) if first else contextlib.nullcontext(set())
-        flops = count_flops() if first and self.count_flops else contextlib.nullcontext()
+        watch: contextlib.AbstractContextManager[set[torch.dtype]] = (
+            observe_compute_dtypes(c.model) if first else contextlib.nullcontext(set())
+        )
+        flops: contextlib.AbstractContextManager[Any] = (
+            count_flops() if first and self.count_flops else contextlib.nullcontext()
+        )
         due = diag.due(step)
         acts = diag.watch_activation_gradients(c.scaler.scale) if due and diag.activations else None
         hooked = first or injected is not None or acts is not None

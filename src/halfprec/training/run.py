@@ -89,7 +89,7 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     if world.is_main:
         say_where(cfg, run_dir, path, loop.step)
         resume_step = loop.step if ckpt else None
-        tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt and ckpt["wandb_id"])
+        tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt["wandb_id"] if ckpt else None)
     else:
         tracker = Tracker([])  # rank 0 alone writes metrics and owns the W&B run
     summary: dict = {"exit_code": 1}

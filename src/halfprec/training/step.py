@@ -85,6 +85,7 @@ class Stepper:
         # neither the weights, the optimizer state nor the LR schedule move
         if not found_inf:
             if self.clip_grad_norm is not None:
+                assert grad_norm is not None  # check() computes the norm whenever clipping
                 torch.nn.utils.clip_grads_with_norm_(params.params, self.clip_grad_norm, grad_norm)
             self.optimizer.step()
             self.scheduler.step()
@@ -113,5 +114,5 @@ class Stepper:
         if self.clip_grad_norm is not None:
             grad_norm = full(total_norm(grads))
             return grad_norm, nonfinite_on_any_rank(grad_norm)
-        grad_norm = full(total_norm(grads)) if compute_norm else None
-        return grad_norm, any_rank(any_nonfinite(grads))
+        norm = full(total_norm(grads)) if compute_norm else None
+        return norm, any_rank(any_nonfinite(grads))

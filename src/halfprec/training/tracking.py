@@ -110,7 +110,8 @@ class WandbSink:
 
         self.run.log(
             {
-                k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v
+                # wandb annotates np_histogram as two ndarrays; it takes lists too (it calls .tolist() if there)
+                k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v  # type: ignore[arg-type]
                 for k, v in row.items()
             }
         )

@@ -9,7 +9,8 @@ network is exactly its trunk.
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Annotated, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,8 @@ class FixupResNet(nn.Module):
         self.classifier = nn.Linear(width, num_classes)
 
     def residual_blocks(self) -> list[FixupBasicBlock]:
-        return list(self.blocks)
+        # nn.Sequential iterates as Modules; these are the FixupBasicBlocks built above
+        return cast("list[FixupBasicBlock]", list(self.blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem(x) + self.bias1)
@@ -89,7 +91,7 @@ def create_fixup_resnet(
     input_shape: tuple[int, ...],
     num_classes: int,
     blocks_per_stage: Annotated[int, Spec(low=1, doc="residual blocks per stage; L = 3 * blocks_per_stage")] = 3,
-    widths: Annotated[list[int], Spec(low=1, nonempty=True, doc="channels per stage")] = (8, 16, 32),
+    widths: Annotated[Sequence[int], Spec(low=1, nonempty=True, doc="channels per stage")] = (8, 16, 32),
 ) -> nn.Module:
     """3 stages of `blocks_per_stage` basic blocks (L = 3 * blocks_per_stage residual branches)."""
     return FixupResNet(input_shape[0], num_classes, blocks_per_stage, list(widths))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated
 
 from torch import nn
@@ -15,7 +16,7 @@ from halfprec.spec import Spec
 def create_mlp(
     input_shape: tuple[int, ...],
     num_classes: int,
-    hidden: Annotated[list[int], Spec(low=1, nonempty=True, doc="hidden layer widths, e.g. [64, 64]")] = (256, 256),
+    hidden: Annotated[Sequence[int], Spec(low=1, nonempty=True, doc="hidden layer widths, e.g. [64, 64]")] = (256, 256),
 ) -> nn.Module:
     """Flatten, then Linear+ReLU per entry of `hidden`, then a Linear classifier."""
     layers: list[nn.Module] = [nn.Flatten()]
