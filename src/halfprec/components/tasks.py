@@ -16,7 +16,8 @@ from halfprec.components.data import IGNORE_LABEL  # the label of the padding th
 class Evaluator:
     """Adds up a task's validation metrics over batches, on the device (no host sync per batch).
     `sums()` is one tensor that the ranks add together; `metrics(sums, n)` turns the sums over the
-    whole validation split (n samples) into the logged values."""
+    whole validation split (n samples) into the logged values, `val/loss` among them (a run whose
+    last val/loss is not finite diverged)."""
 
     def add(self, output: torch.Tensor, targets: torch.Tensor) -> None:
         raise NotImplementedError

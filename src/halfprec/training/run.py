@@ -116,8 +116,7 @@ def end_summary(cfg: DictConfig, c: Components, loop: LoopState, status: str, ex
     return {
         "status": status,
         "train/loss": final.get("train/loss"),
-        "val/loss": final.get("val/loss"),
-        "val/acc": final.get("val/acc"),
+        **{k: v for k, v in final.items() if k.startswith("val/")},  # the task's validation metrics
         "scaler/skipped_steps": scaler.skipped_steps,
         "scaler/min_scale": scaler.min_seen,
         "scaler/max_scale": scaler.max_seen,
@@ -157,8 +156,9 @@ def check_finite(final: dict, step: int) -> None:
 
 
 def done_line(summary: dict, steps: int, scaler: LossScaler, run_dir: Path) -> str:
+    shown = [f"{k} {fmt(v)}" for k, v in summary.items() if k.startswith("val/") and k != "val/loss"]
     return (
         f"done: {steps} steps in {summary['wall_s']:.1f}s | train/loss {fmt(summary['train/loss'])} | "
-        f"val/acc {fmt(summary['val/acc'])} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "
+        f"{' | '.join(shown)} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "
         f"(min {scaler.min_seen:g}, max {scaler.max_seen:g}) | {run_dir}"
     )
