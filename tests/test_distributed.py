@@ -60,6 +60,25 @@ def test_two_process_ddp_equals_one_process_with_twice_the_batch(tmp_path):
     assert wandb_records.summary(run_file)["world_size"] == 2
 
 
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
+def test_a_gpt_on_two_processes_equals_one_process_with_twice_the_batch(tmp_path, trainer):
+    """task=lm: each rank's sequences, the validation tokens shared out with whole padded sequences."""
+    gpt = ["task=lm", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "logger=none",
+           "trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=4", "sched=constant"]  # fmt: skip
+    two = torchrun(tmp_path, f"trainer={trainer}", "data.batch_size=4", *gpt, f"hydra.run.dir={tmp_path / 'two'}",
+                   tiny=False)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = torchrun(tmp_path, "data.batch_size=8", *gpt, f"hydra.run.dir={tmp_path / 'one'}", nproc=0, tiny=False)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = final_weights(tmp_path / "two"), final_weights(tmp_path / "one")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+    rows_two, rows_one = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("two", "one"))
+    assert [r["train/loss"] for r in rows_two] == pytest.approx([r["train/loss"] for r in rows_one], abs=1e-5)
+    for key in ("val/loss", "val/bpb"):
+        assert rows_two[-1][key] == pytest.approx(rows_one[-1][key], abs=1e-5)
+
+
 def test_overflow_injected_on_one_rank_skips_the_step_on_both(tmp_path):
     # the inf goes into rank 0's gradients only; the run ends with a check that both ranks hold
     # identical weights, scale and skip count, which fails loudly if rank 1 had stepped

@@ -4,6 +4,7 @@ CPU (tests/test_gpu.py runs them for real on an fp8 GPU)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from halfprec.config import resolve_device, validate
 from halfprec.errors import ConfigError
@@ -52,3 +53,22 @@ def test_fp8_config_errors(overrides, message):
         resolve_device(cfg)
         build(cfg)
     assert message in str(info.value)
+
+
+GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=8"]
+
+
+def test_the_gpts_linear_layers_go_float8_and_its_tied_head_stays():
+    c = build(compose_cfg(*GPT, *EMULATED))
+    kinds = {name: type(m).__name__ for name, m in c.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds.pop("lm_head") == "Linear" and set(kinds.values()) == {"Float8Linear"} and len(kinds) == 8
+    assert c.model.lm_head.weight is c.model.wte.weight  # still tied
+
+
+def test_an_emulated_fp8_gpt_trains_like_bf16(tmp_path):
+    steps = ["trainer.max_steps=300", "trainer.log_every=50", "trainer.val_every=0", "sched.warmup_steps=30"]
+    fp8 = run(compose_cfg(*GPT, *EMULATED, *steps), tmp_path / "fp8")
+    bf16 = run(compose_cfg(*GPT, "precision=bf16", *steps), tmp_path / "bf16")
+    assert fp8["precision/fp8_layers"] == 8
+    assert fp8["val/loss"] < 3.2  # well below a uniform byte's ln 256 = 5.5 nats: it learned
+    assert fp8["val/loss"] == pytest.approx(bf16["val/loss"], rel=0.05)  # measured: 2.82 vs 2.89

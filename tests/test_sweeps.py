@@ -148,7 +148,7 @@ def test_ctrl_c_stops_the_sweep_after_the_running_jobs_checkpoint(tmp_path):
 def test_bad_objective_names_the_choices(cli):
     result = cli.run("objective=val/accuracy")
     assert result.returncode == 2
-    assert "objective=val/accuracy: must be one of val/acc, val/loss, train/loss" in result.output
+    assert "objective=val/accuracy: must be one of val/acc, val/loss, val/bpb, val/ppl, train/loss" in result.output
 
 
 @pytest.mark.parametrize("sweep_file", SWEEPS, ids=[p.stem for p in SWEEPS])

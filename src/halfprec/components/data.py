@@ -66,8 +66,9 @@ class Dataset:
     train: Split | TorchDataset
     val: Split | TorchDataset
     input_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: int  # classes, or the vocabulary of a token dataset
     workers: Workers = field(default_factory=Workers)
+    bytes_per_token: float | None = None  # token datasets: text bytes per token, for val/bpb (1 for bytes)
     _val_loader: tuple[tuple[int, int, int], DataLoader] | None = field(default=None, init=False, repr=False)
 
     def train_batches(
@@ -425,7 +426,8 @@ def eval_batches(
     if world_size > 1:
         share = rank_share(len(y), rank, world_size)
         index = share.clamp(min=0)  # padding (-1) reads sample 0, and gets the ignored label
-        x, y = x[index], torch.where(share >= 0, y[index], IGNORE_LABEL)
+        keep = (share >= 0).view(-1, *[1] * (y.dim() - 1))  # a sample's label, or each of its tokens
+        x, y = x[index], torch.where(keep, y[index], IGNORE_LABEL)
     for i in range(0, len(y), batch_size):
         yield x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
 
@@ -444,3 +446,9 @@ class _RankShare(TorchDataset):
             return self.dataset[self.share[i]]
         x, y = self.dataset[0]  # the padding's label has the type of the others: the batches collate
         return x, torch.full_like(y, IGNORE_LABEL) if torch.is_tensor(y) else IGNORE_LABEL
+
+
+# The language-modelling corpora (pydoc, text, tokens) live in their own module; registered here.
+from halfprec.components import text  # noqa: E402
+
+DATASETS.update({"pydoc": text.load_pydoc, "text": text.load_text, "tokens": text.load_tokens})

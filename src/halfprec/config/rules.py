@@ -63,6 +63,20 @@ def check_residual(init: DictConfig, arch: str, models: dict[str, Any]) -> None:
         raise ConfigError("init.zero_init_last", True, f"model={arch} has no residual branches to zero")
 
 
+def check_task(cfg: DictConfig, task: Any, token_data: bool) -> None:
+    """The data must be what the task learns from, and the objective one of its metrics."""
+    if task.needs_tokens and not token_data:
+        raise ConfigError(
+            "data", cfg.data.name, f"task={task.name} learns from token sequences: use data=pydoc, text or tokens"
+        )
+    if token_data and not task.needs_tokens:
+        raise ConfigError("task", cfg.task.name, f"data={cfg.data.name} holds token sequences: use task=lm")
+    if cfg.objective not in (*task.metrics, "train/loss"):
+        raise ConfigError(
+            "objective", cfg.objective, f"task={task.name} reports {', '.join(task.metrics)} and train/loss"
+        )
+
+
 def check_workers(data: DictConfig) -> None:
     if data.get("persistent_workers") and data.get("num_workers") == 0:
         raise ConfigError(

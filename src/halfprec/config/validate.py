@@ -57,12 +57,17 @@ def validate_components(cfg: DictConfig) -> None:
     from halfprec.components.init import INIT_SCHEMES
     from halfprec.components.models import MODELS  # light: factories import timm lazily
     from halfprec.components.tasks import TASKS
+    from halfprec.components.text import TOKEN_DATASETS
     from halfprec.numerics.rounding import ROUNDING_RULES
 
     # types built at run time from a registry: values to mypy (annotated, so not read as type aliases)
     rounding: Any = Literal[tuple(ROUNDING_RULES)]
     rule: Any = Annotated[rounding, Spec(doc="the rounding rules of halfprec/numerics/rounding.py")]
     check_value("precision.update", cfg.precision["update"], rule)
+    task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
+    check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
+    name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")
+    rules.check_task(cfg, TASKS[task], name in TOKEN_DATASETS)
     arch = chosen(cfg, "model.arch", MODELS, "models registered in halfprec.components.models")
     factory = MODELS[arch].factory
     check_node(
@@ -74,9 +79,6 @@ def validate_components(cfg: DictConfig) -> None:
     if fixup:
         check_value("init.scalar_lr_scale", cfg.init.get("scalar_lr_scale"), SCALAR_LR_SCALE)
     rules.check_residual(cfg.init, arch, MODELS)
-    task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
-    check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
-    name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")
     check_value("data.batch_size", cfg.data.get("batch_size"), BATCH_SIZE)
     check_node(cfg.data, DATASETS[name], "data", f"data={name}", extra=("name", "batch_size"))
     rules.check_workers(cfg.data)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from omegaconf.errors import OmegaConfBaseException
+
 from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 
@@ -54,6 +56,10 @@ def failure_line(err: BaseException) -> tuple[int, str] | None:
     for cls, code, prefix in FAILURES:
         if isinstance(err, cls):
             return code, f"{prefix}: {err}"
+    if isinstance(err, OmegaConfBaseException):  # an interpolation that cannot resolve: ${model.block_size}
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        key = getattr(err, "full_key", None)
+        return CONFIG, f"error: {key}: {first}" if key else f"error: {first}"
     return None
 
 

@@ -96,14 +96,20 @@ class PrecisionPolicy:
 
     def apply_fp8(self, model: nn.Module) -> list[str]:
         """precision=fp8: swap every Linear whose in and out features are multiples of 16 (what
-        float8 matmuls need) for torchao's Float8Linear; return their names. Before any wrapping
+        float8 matmuls need), but those the model names in `fp8_skip`, for torchao's Float8Linear;
+        return their names. Before any wrapping
         (DDP, FSDP2, torch.compile), as torchao asks."""
         if not self.fp8:
             return []
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        # a model may keep layers in higher precision (`fp8_skip`: a GPT's output head, which is
+        # tied to its embedding and is where the logits' range matters most)
+        skipped = set(getattr(model, "fp8_skip", ()))
+
         def eligible(module: nn.Module, name: str) -> bool:
-            return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            fits = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            return fits and name not in skipped
 
         self.fp8_layers = [name for name, m in model.named_modules() if eligible(m, name)]
         if not self.fp8_layers:

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from halfprec.components.tasks import Classification, Task
 from halfprec.numerics.params import ParamStrategy, nbytes
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training.distributed import is_sharded
@@ -113,7 +113,7 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
         optimizer_state=optimizer_state_bytes(c.optimizer, c.params, c.device),
         compensation=nbytes(c.params.compensation),
         inputs=nbytes(batch),
-        activations=activation_bytes(c.model, c.policy, batch),
+        activations=activation_bytes(c.model, c.policy, batch, c.task),
     )
 
 
@@ -136,9 +136,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrateg
     return total
 
 
-def activation_bytes(model: nn.Module, policy: PrecisionPolicy, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+def activation_bytes(
+    model: nn.Module, policy: PrecisionPolicy, batch: tuple[torch.Tensor, torch.Tensor], task: Task | None = None
+) -> int:
     """Bytes of the distinct storages autograd saves in one training forward of `batch` (model in
-    train mode, loss included), other than the parameters' and the batch's."""
+    train mode, the task's loss included: classification's by default), other than the parameters' and the batch's."""
     x, y = batch
     known = {_storage_key(t) for t in [*model.parameters(), x, y]}
     saved: dict[tuple[int, int], int] = {}
@@ -158,7 +160,7 @@ def activation_bytes(model: nn.Module, policy: PrecisionPolicy, batch: tuple[tor
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with policy.autocast():
                     logits = model(policy.cast_input(x))
-                loss = F.cross_entropy(logits.float(), y)
+                loss = (task or Classification()).loss(logits, y)
             del logits, loss
     finally:
         model.train(was_training)

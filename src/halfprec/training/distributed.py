@@ -76,17 +76,31 @@ def wrap(model: nn.Module, world: World, device: torch.device, mode: str, policy
 
 def shard(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     """FSDP2: each top-level child that holds parameters is one unit (all-gathered for its own
-    forward/backward, then freed), the root takes the rest. Weights stay fp32 shards (the master
-    weights); the units compute in the precision group's autocast dtype and reduce gradients in
-    precision.reduce_dtype."""
+    forward/backward, then freed), the items of a ModuleList each (a transformer's blocks), and the
+    root takes the rest. Weights stay fp32 shards (the master weights); the units compute in the
+    precision group's autocast dtype and reduce gradients in precision.reduce_dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=policy.reduce_dtype)
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, mp_policy=mp)
+    for unit in shard_units(model):
+        fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)  # in place: it returns `model` itself, typed as FSDPModule
     return model
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded on their own. A module whose parameter another module uses too (tied
+    embeddings: a GPT's head) stays with the root, which is gathered for the whole forward."""
+    candidates = [m for child in model.children() for m in (child if isinstance(child, nn.ModuleList) else [child])]
+    users: dict[int, int] = {}
+    for module in candidates:
+        for p in module.parameters():
+            users[id(p)] = users.get(id(p), 0) + 1
+    return [
+        m
+        for m in candidates
+        if any(p.requires_grad for p in m.parameters()) and all(users[id(p)] == 1 for p in m.parameters())
+    ]
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -70,6 +70,7 @@ class MetricsWindow:
             "scaler/skipped": scaler.skipped_steps - loop.skipped_before,
             **scaler.metrics(),
             "perf/samples_per_s": n * self.per_step / seconds,
+            **self.c.task.throughput(n * self.per_step / seconds, self.c.data),
             "perf/step_ms": 1000 * seconds / n,
         }
         if step_flops:  # matmuls, convolutions, attention; not the optimizer's elementwise math
@@ -123,7 +124,7 @@ def evaluate(
     model.eval()
     if world.size > 1:
         distributed.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
-    evaluator = task.evaluator(device)
+    evaluator = task.evaluator(device, data)
     for inputs, targets in data.val_batches(max(batch_size, 256), device, world.rank, world.size):
         with policy.autocast():
             evaluator.add(model(policy.cast_input(inputs)), targets)

@@ -1,0 +1,141 @@
+"""Text for language modelling, with no download: the documentation every CPython ships
+(`pydoc_data.topics`), a user's text files (byte-level), or nanoGPT-style token files.
+
+A sample is a block of `block_size` tokens and the same block shifted by one (the next tokens to
+predict); blocks do not overlap. Text is split into train and validation by document (a pydoc
+topic, a file, or a piece of a single file), seeded, so that no validation block shares a
+document with a training block. The splits are the same Split / map-style datasets the image data
+uses, so sample order, DDP slicing and the resume position work as they do there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset as TorchDataset
+
+from halfprec.components.data import Dataset, NumWorkers, PersistentWorkers, Root, Split, Workers
+from halfprec.errors import ConfigError
+from halfprec.machine import loader_workers
+from halfprec.spec import Spec
+
+BlockSize = Annotated[int, Spec(low=1, doc="tokens per sample, the model's context (model.block_size)")]
+ValFraction = Annotated[float, Spec(above=0, below=1, doc="share of the documents held out for validation")]
+Seed = Annotated[int, Spec(low=0, doc="the train/val split's seed")]
+TOKEN_DATASETS = ("pydoc", "text", "tokens")  # their samples are token sequences (task=lm)
+PIECES = 100  # a single text file is cut into this many documents for the train/val split
+
+
+def load_pydoc(block_size: BlockSize = 128, val_fraction: ValFraction = 0.1, seed: Seed = 0) -> Dataset:
+    """The text of the running interpreter's own documentation (about 465 KB), byte-level."""
+    from pydoc_data.topics import topics
+
+    documents = [topics[key].encode("utf-8") for key in sorted(topics)]
+    return byte_dataset(documents, block_size, val_fraction, seed)
+
+
+def load_text(
+    root: Root = "data/text",
+    block_size: BlockSize = 128,
+    val_fraction: ValFraction = 0.1,
+    seed: Seed = 0,
+    pattern: Annotated[str, Spec(nonempty=True, doc="which files under data.root, e.g. *.txt")] = "*.txt",
+) -> Dataset:
+    """Every file under `root` matching `pattern` (searched recursively), byte-level."""
+    where = Path(root)
+    files = sorted(p for p in where.rglob(pattern) if p.is_file()) if where.is_dir() else []
+    if not files:
+        found = "no such directory" if not where.is_dir() else f"no file matching {pattern} in it"
+        raise ConfigError("data.root", root, f"{found}; put text files there or set data.pattern")
+    documents = [f.read_bytes() for f in files]
+    if len(documents) == 1:  # one file: pieces of it are the documents of the split
+        whole = documents[0]
+        step = -(-len(whole) // PIECES)
+        documents = [whole[i : i + step] for i in range(0, len(whole), step)]
+    return byte_dataset(documents, block_size, val_fraction, seed)
+
+
+def byte_dataset(documents: list[bytes], block_size: int, val_fraction: float, seed: int) -> Dataset:
+    """Bytes as tokens (vocabulary 256): a seeded split of the documents, each side cut into blocks."""
+    order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(seed)).tolist()
+    wanted, val_docs, held = val_fraction * sum(map(len, documents)), [], 0
+    for i in order:  # documents in seeded order, those that keep validation within its share
+        if held + len(documents[i]) <= wanted:
+            val_docs.append(i)
+            held += len(documents[i])
+    if not val_docs or len(val_docs) == len(documents):
+        val_docs = [min(order, key=lambda i: len(documents[i]))]  # at least one of each
+    train_docs = [i for i in order if i not in val_docs]
+    train, val = (
+        blocks(b"\n\n".join(documents[i] for i in sorted(side)), block_size) for side in (train_docs, val_docs)
+    )
+    return Dataset(train, val, (block_size,), 256, bytes_per_token=1.0)
+
+
+def blocks(data: bytes, block_size: int) -> Split:
+    """Non-overlapping blocks of `block_size` tokens, each with its next tokens as the targets."""
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
+    n = (len(tokens) - 1) // block_size
+    if n < 1:
+        raise ConfigError(
+            "data.block_size", block_size, f"longer than the text ({len(tokens)} bytes): use a smaller model.block_size"
+        )
+    x = tokens[: n * block_size].view(n, block_size)
+    y = tokens[1 : n * block_size + 1].view(n, block_size)
+    return Split(x, y)
+
+
+class TokenBlocks(TorchDataset):
+    """Non-overlapping blocks of a token file read through a memory map: a corpus much larger than
+    memory is fine, each sample is read when a DataLoader worker asks for it."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int):
+        self.tokens, self.block_size = tokens, block_size
+        self.n = (len(tokens) - 1) // block_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.block_size
+        chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+def load_tokens(
+    root: Root = "data/tokens",
+    block_size: BlockSize = 1024,
+    vocab_size: Annotated[int, Spec(low=2, doc="tokens the files use, e.g. 50257 for GPT-2's")] = 50257,
+    bytes_per_token: Annotated[float | None, Spec(above=0, doc="for val/bpb; null: not reported")] = None,
+    num_workers: NumWorkers = "auto",
+    persistent_workers: PersistentWorkers = None,
+) -> Dataset:
+    """nanoGPT's format: `train.bin` and `val.bin` in `root`, token ids as uint16."""
+    splits = [
+        TokenBlocks(read_token_file(Path(root) / name, vocab_size), block_size) for name in ("train.bin", "val.bin")
+    ]
+    for name, split in zip(("train.bin", "val.bin"), splits):
+        if len(split) < 1:
+            raise ConfigError("data.block_size", block_size, f"longer than {Path(root) / name}: use a smaller one")
+    workers = Workers(loader_workers(num_workers, most=4), False, persistent_workers)
+    return Dataset(splits[0], splits[1], (block_size,), vocab_size, workers, bytes_per_token=bytes_per_token)
+
+
+def read_token_file(path: Path, vocab_size: int) -> np.ndarray:
+    """A memory map of a uint16 token file; a missing or malformed one is one clear error."""
+    if not path.is_file():
+        raise ConfigError(
+            "data.root", str(path.parent), f"no {path.name} here: nanoGPT-style uint16 token files expected"
+        )
+    if path.stat().st_size % 2 or path.stat().st_size == 0:
+        raise ConfigError("data.root", str(path.parent), f"{path.name} is not a uint16 token file (odd or empty size)")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    head = int(tokens[: 1 << 20].max())  # the first million tokens: a wrong vocabulary shows at once
+    if head >= vocab_size:
+        raise ConfigError(
+            "data.vocab_size", vocab_size, f"{path.name} holds token {head}: set data.vocab_size above it"
+        )
+    return tokens

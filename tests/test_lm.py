@@ -1,0 +1,179 @@
+"""Language modelling (task=lm): the loss and z-loss by hand, the GPT, the corpora, the CLI, resume."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_jsonl
+from test_resume import without_perf
+
+from halfprec.components.data import IGNORE_LABEL, eval_batches
+from halfprec.components.models.gpt import GPT, create_gpt
+from halfprec.components.tasks import LanguageModelling
+from halfprec.components.text import load_pydoc, load_text, load_tokens
+from halfprec.errors import ConfigError
+from halfprec.training.run import run
+
+from helpers import build_from, compose_cfg, flat_params, step
+
+# A GPT small enough for a test: 1 block of width 16, a 16-token context.
+TINY = ["task=lm", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16",
+        "data.batch_size=4", "trainer.max_steps=4", "trainer.val_every=0", "trainer.log_every=1"]  # fmt: skip
+
+
+def test_the_loss_is_next_token_cross_entropy_and_the_z_loss_adds_log_z_squared():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]]])  # (batch 1, time 2, vocabulary 3)
+    targets = torch.tensor([[0, 2]])
+    log_z = [math.log(math.exp(2) + 1 + math.exp(-1)), math.log(2 * math.exp(0.5) + 1)]
+    by_hand = ((log_z[0] - 2.0) + (log_z[1] - 0.0)) / 2  # -log p(target), mean over the 2 tokens
+    assert LanguageModelling().loss(logits, targets).item() == pytest.approx(by_hand, rel=1e-6)
+    z = LanguageModelling(z_loss=1e-2).loss(logits, targets).item()
+    assert z == pytest.approx(by_hand + 1e-2 * (log_z[0] ** 2 + log_z[1] ** 2) / 2, rel=1e-6)
+    assert (
+        LanguageModelling().loss(logits.half(), targets).dtype == torch.float32
+    )  # fp32 whatever the model computed in
+
+
+def test_the_evaluator_counts_tokens_and_reports_bits_per_byte():
+    task = LanguageModelling()
+    data = load_pydoc(block_size=8)
+    evaluator = task.evaluator(torch.device("cpu"), data)
+    uniform = torch.zeros(2, 8, 256)  # every byte equally likely: ln 256 nats, 8 bits per byte
+    targets = torch.randint(0, 256, (2, 8))
+    targets[1, 4:] = IGNORE_LABEL  # padding counts for nothing
+    evaluator.add(uniform, targets)
+    metrics = evaluator.metrics(evaluator.sums().tolist(), n=2)
+    assert evaluator.tokens.item() == 12
+    assert metrics["val/loss"] == pytest.approx(math.log(256))
+    assert metrics["val/bpb"] == pytest.approx(8.0) and metrics["val/ppl"] == pytest.approx(256.0)
+
+
+def test_accumulation_averages_over_the_windows_tokens():
+    """fp32: accum=2 with micro-batch b leaves the same weights as one micro-batch of 2b sequences."""
+    common = [*TINY, "sched=constant", "optim.weight_decay=0.0"]
+    big, _ = build_from(*common, "accum=1", "data.batch_size=8")
+    small, _ = build_from(*common, "accum=2", "data.batch_size=4")
+    before = flat_params(big.model)
+    data = big.data.train
+    for s in range(3):
+        x, y = data.x[8 * s : 8 * s + 8], data.y[8 * s : 8 * s + 8]
+        step(big, [(x, y)])
+        step(small, [(x[:4], y[:4]), (x[4:], y[4:])])
+    assert (flat_params(big.model) - before).abs().max() > 1e-4
+    torch.testing.assert_close(flat_params(small.model), flat_params(big.model), rtol=0, atol=1e-6)
+
+
+def gpt(**kwargs) -> GPT:
+    torch.manual_seed(0)
+    args = {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8, **kwargs}
+    return create_gpt((8,), 32, **args)
+
+
+def test_attention_is_causal_and_the_head_is_the_embedding():
+    model = gpt()
+    tokens = torch.randint(0, 32, (1, 8))
+    changed = tokens.clone()
+    changed[0, 5] = (tokens[0, 5] + 1) % 32
+    a, b = model(tokens), model(changed)
+    assert torch.equal(a[0, :5], b[0, :5]) and not torch.equal(a[0, 5:], b[0, 5:])  # no position sees the future
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    tokens = torch.randint(0, 32, (2, 8))
+    change = {}
+    for qk_norm in (False, True):
+        model = gpt(qk_norm=qk_norm)
+        before = model(tokens)
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.qkv.weight[: 2 * 16] *= 30.0  # the query and key rows
+        change[qk_norm] = (model(tokens) - before).abs().max().item()
+    assert change[True] < 1e-4 < 1e-2 < change[False]  # (what remains: the norm's epsilon)
+
+
+@pytest.mark.parametrize("proj_init,std", [("gpt2", 0.02 / math.sqrt(2 * 2)), ("zero", 0.0), ("plain", 0.02)])
+def test_residual_projections_start_scaled_zero_or_plain(proj_init, std):
+    model = gpt(n_embd=64, proj_init=proj_init, mlp="swiglu", norm="rmsnorm")
+    weights = torch.cat([layer.weight.flatten() for layer in model.residual_projections()])
+    assert weights.std().item() == pytest.approx(std, rel=0.05, abs=1e-9)
+    assert model.blocks[0].mlp.fc.out_features % 16 == 0  # SwiGLU's hidden width: float8-friendly
+
+
+def test_the_pydoc_corpus_is_bytes_split_by_topic():
+    data = load_pydoc(block_size=64)
+    assert data.num_classes == 256 and data.input_shape == (64,) and data.bytes_per_token == 1.0
+    for split in (data.train, data.val):
+        assert torch.equal(split.y[:, :-1], split.x[:, 1:])  # the targets are the next bytes
+    share = len(data.val) / (len(data.train) + len(data.val))
+    assert 0.05 < share <= 0.1
+    assert load_pydoc(block_size=64, seed=1).val.x.shape != data.val.x.shape or not torch.equal(
+        load_pydoc(block_size=64, seed=1).val.x, data.val.x
+    )  # another seed holds out other topics
+
+
+def test_text_files_are_read_and_a_missing_folder_is_one_error(tmp_path):
+    for i in range(5):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " * 200)
+    (tmp_path / "skip.md").write_text("not matched")
+    data = load_text(str(tmp_path), block_size=32)
+    text = bytes(torch.cat([data.train.x.flatten(), data.val.x.flatten()]).tolist())
+    assert b"not matched" not in text and b"document 3" in text
+    with pytest.raises(ConfigError, match=r"data\.root=.*no such directory"):
+        load_text(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=r"no file matching \*\.rst"):
+        load_text(str(tmp_path), pattern="*.rst")
+
+
+def test_token_files_are_memory_mapped_and_malformed_ones_are_one_error(tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) % 300
+    tokens.tofile(tmp_path / "train.bin")
+    tokens[:200].tofile(tmp_path / "val.bin")
+    data = load_tokens(str(tmp_path), block_size=10, vocab_size=300, num_workers=0)
+    x, y = data.train[3]
+    assert torch.equal(x, torch.arange(30, 40)) and torch.equal(y, torch.arange(31, 41)) and len(data.train) == 99
+    with pytest.raises(ConfigError, match=r"data\.vocab_size=100: train\.bin holds token 299"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=100)
+    (tmp_path / "val.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ConfigError, match=r"val\.bin is not a uint16 token file"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=300)
+    with pytest.raises(ConfigError, match=r"no train\.bin here"):
+        load_tokens(str(tmp_path / "nothing"))
+
+
+def test_validation_shares_of_token_blocks_pad_whole_sequences():
+    data = load_pydoc(block_size=16)
+    val = type(data.val)(data.val.x[:5], data.val.y[:5])
+    (_, y_rank1), *_ = eval_batches(val, 8, torch.device("cpu"), rank=1, world_size=2)
+    assert y_rank1.shape == (3, 16) and (y_rank1[-1] == IGNORE_LABEL).all() and (y_rank1[0] != IGNORE_LABEL).all()
+
+
+def test_task_lm_trains_from_the_command_line_and_logs_its_metrics(cli):
+    result = cli.run(*TINY, "trainer.max_steps=3", "trainer.val_every=3", "logger=none", cheap=False)
+    result.check()
+    rows = result.metrics()
+    assert {"perf/tokens_per_s", "train/loss"} <= rows[0].keys()
+    assert rows[0]["perf/tokens_per_s"] == pytest.approx(rows[0]["perf/samples_per_s"] * 16)
+    last = rows[-1]
+    assert {"val/loss", "val/ppl", "val/bpb"} <= last.keys() and "val/acc" not in last
+    assert last["val/bpb"] == pytest.approx(last["val/loss"] / math.log(2))
+    assert last["val/loss"] < math.log(256)  # three steps already beat a uniform guess
+
+
+def test_a_resumed_lm_run_logs_what_an_uninterrupted_one_does(tmp_path):
+    overrides = [*TINY, "trainer.ckpt_every=3", "trainer.val_every=3"]
+    run(compose_cfg(*overrides, "trainer.max_steps=6"), tmp_path / "straight")
+    run(compose_cfg(*overrides, "trainer.max_steps=3"), tmp_path / "resumed")
+    run(compose_cfg(*overrides, "trainer.max_steps=6", "resume=auto"), tmp_path / "resumed")
+    straight, resumed = (read_jsonl(tmp_path / run_dir / "metrics.jsonl") for run_dir in ("straight", "resumed"))
+    assert without_perf(resumed) == without_perf(straight)
+
+
+def test_a_classification_setup_with_text_data_is_one_error():
+    from halfprec.config import validate
+
+    with pytest.raises(ConfigError, match=r"task=classification: data=pydoc holds token sequences: use task=lm"):
+        validate(compose_cfg("data=pydoc"))
