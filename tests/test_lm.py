@@ -177,3 +177,38 @@ def test_a_classification_setup_with_text_data_is_one_error():
 
     with pytest.raises(ConfigError, match=r"task=classification: data=pydoc holds token sequences: use task=lm"):
         validate(compose_cfg("data=pydoc"))
+
+
+def test_diagnostics_keep_the_largest_causal_attention_logit_and_the_output_log_z():
+    from halfprec.components.models.gpt import CausalSelfAttention
+    from halfprec.training.diagnostics import Diagnostics
+
+    attn = CausalSelfAttention(4, 1, 0.0, False, "layernorm")
+    q = torch.tensor([[[[1.0, 0, 0, 0], [0, 2.0, 0, 0]]]])  # (batch, heads, time 2, head dim 4)
+    k = torch.tensor([[[[0, 3.0, 0, 0], [0, 5.0, 0, 0]]]])
+    attn.keep_logit_max(q, k)
+    # q1.k1 = 0, q2.k1 = 6, q2.k2 = 10; q1.k2 = 0 is masked out (the future); divided by sqrt(4)
+    assert attn.logit_max.item() == pytest.approx(5.0)
+
+    model = gpt()
+    diag = Diagnostics(compose_cfg("diagnostics=grads").diagnostics, model, build_from(*TINY)[0].params)
+    tokens = torch.randint(0, 32, (2, 8))
+    with diag.watch_logits():
+        out = model(tokens)
+    row = diag.collect()
+    assert set(diag.attention) == {"blocks.0.attn", "blocks.1.attn"}
+    assert row["diag/attn_logit_max"] == max(row["attn_logit_max/blocks.0.attn"], row["attn_logit_max/blocks.1.attn"])
+    log_z = torch.logsumexp(out.detach(), dim=-1)
+    assert row["diag/output_logz"] == pytest.approx(log_z.mean().item(), rel=1e-6)
+    assert row["diag/output_logz_max"] == pytest.approx(log_z.max().item(), rel=1e-6)
+    assert not any(layer.record_logits for layer in (model.blocks[0].attn, model.blocks[1].attn))  # off again
+
+
+def test_a_diagnosed_lm_run_logs_and_plots_the_logit_growth(tmp_path):
+    from halfprec.tools.report import write_report
+
+    run(compose_cfg(*TINY, "diagnostics=grads", "diagnostics.every=2"), tmp_path / "run")
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "diag/attn_logit_max" in r]
+    assert [r["step"] for r in rows] == [1, 2, 4] and all(r["diag/output_logz"] > 0 for r in rows)
+    write_report(tmp_path / "run", tmp_path / "report")
+    assert (tmp_path / "report" / "attn_logits.png").is_file() and (tmp_path / "report" / "logz.png").is_file()

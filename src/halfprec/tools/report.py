@@ -58,6 +58,11 @@ IN_RANGE = ("completed", "running", "stopped")  # stopped: by a signal, resumabl
 STATUS_ORDER = (*STATUSES, "running")  # others follow, by first appearance
 
 LINE_STYLES = ["-", "--", "-.", ":"]
+# Plots made when a job logged the key (diagnostics=grads): (key, file, title).
+LOGIT_PLOTS = (
+    ("diag/attn_logit_max", "attn_logits.png", "largest attention logit"),
+    ("diag/output_logz", "logz.png", "output logits' log Z (mean)"),
+)
 # A line whose maximum lies further above the lines' typical maximum than FAR times their whole
 # range (in decades, on positive values) is left out of the y-range: one blow-up to 1e13 would
 # otherwise squash every other line flat. It is still drawn, clipped, and marked where it leaves.
@@ -736,7 +741,8 @@ def note(message: str) -> None:
 
 
 def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) -> int:
-    """Print the tables, write report.md, loss.png and scale.png into `out` (default: PATH); 0 on success."""
+    """Print the tables, write report.md, loss.png, scale.png (and the logit plots of transformer
+    diagnostics) into `out` (default: PATH); 0 on success."""
     jobs = find_jobs(path)
     root = path.resolve()
     out = out or path
@@ -756,6 +762,9 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
         note("no scale.png: no job has a loss scaler (scaler/scale is 1.0 throughout)")
     elif plot_lines(jobs, "scaler/scale", f"loss scale: {where}", out / "scale.png", log2_y=True):
         images.append(out / "scale.png")
+    for key, name, title in LOGIT_PLOTS:  # diagnostics=grads on a transformer: where instabilities show first
+        if plot_lines(jobs, key, f"{title}: {where}", out / name):
+            images.append(out / name)
 
     text = report_text(path, jobs, markdown_tables(tables), images)
     (out / "report.md").write_text(text)

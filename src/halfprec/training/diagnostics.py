@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -44,6 +45,14 @@ def _log2_histogram(values: torch.Tensor) -> torch.Tensor:
     return torch.histc(a.log2().clamp(low, high - 1e-3), bins=high - low, min=low, max=high)
 
 
+@runtime_checkable
+class RecordsLogits(Protocol):
+    """An attention layer that keeps its largest logit of a step while `record_logits` is on."""
+
+    record_logits: bool
+    logit_max: torch.Tensor | None
+
+
 class Diagnostics:
     def __init__(self, cfg, model: nn.Module, params: ParamStrategy):
         self.every = int(cfg.every)
@@ -58,6 +67,9 @@ class Diagnostics:
         self._grad_counts: torch.Tensor | None = None
         self._grad_hists: torch.Tensor | None = None
         self._act_counts: dict[str, torch.Tensor] = {}
+        # attention layers that can record their logits' maximum (a GPT's)
+        self.attention = [name for name, m in model.named_modules() if isinstance(m, RecordsLogits)]
+        self._log_z: list[torch.Tensor] = []  # per micro-batch: [mean, max] of the output's log Z
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 1 or step % self.every == 0)
@@ -101,6 +113,44 @@ class Diagnostics:
             for h in handles:
                 h.remove()
 
+    @contextlib.contextmanager
+    def watch_logits(self) -> Iterator[None]:
+        """The two instabilities of large-lr transformer training: attention logits that grow
+        (Dehghani et al. 2023; qk-norm bounds them) and output logits whose log-normaliser log Z
+        drifts (Chowdhery et al. 2022; z-loss holds it near 0). The attention layers record their
+        logits' maximum for this step; a hook reads log Z off the model's output."""
+        layers = [cast(RecordsLogits, self.model.get_submodule(name)) for name in self.attention]
+        for layer in layers:
+            layer.record_logits, layer.logit_max = True, None
+        self._log_z = []
+
+        def log_z(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if torch.is_tensor(out) and out.is_floating_point() and out.dim() >= 2:
+                z = torch.logsumexp(out.detach().float(), dim=-1)
+                self._log_z.append(torch.stack([z.mean(), z.max()]))
+
+        handle = self.model.register_forward_hook(log_z)
+        try:
+            yield
+        finally:
+            handle.remove()
+            for layer in layers:
+                layer.record_logits = False
+
+    def _logit_row(self) -> dict:
+        row: dict = {}
+        maxima = [cast(RecordsLogits, self.model.get_submodule(n)).logit_max for n in self.attention]
+        found = [(n, m) for n, m in zip(self.attention, maxima) if m is not None]
+        if found:
+            values = torch.stack([m for _, m in found]).cpu().tolist()
+            row.update({f"attn_logit_max/{n}": v for (n, _), v in zip(found, values)})
+            row["diag/attn_logit_max"] = max(values)
+        if self._log_z:
+            z = torch.stack(self._log_z).cpu()
+            row["diag/output_logz"], row["diag/output_logz_max"] = float(z[:, 0].mean()), float(z[:, 1].max())
+        self._log_z = []
+        return row
+
     def _add_act(self, name: str, counts: torch.Tensor) -> None:
         self._act_counts[name] = counts + self._act_counts.get(name, 0)
 
@@ -117,6 +167,7 @@ class Diagnostics:
         if self._act_counts:
             names = [n for n in self.compute_layers if n in self._act_counts]  # model order
             row.update(_fractions("act", names, torch.stack([self._act_counts[n] for n in names]).cpu()))
+        row.update(self._logit_row())
         self._grad_counts = self._grad_hists = None
         self._act_counts = {}
         return row

@@ -32,14 +32,29 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = create_norm(norm, head) if qk_norm else nn.Identity()
         self.k_norm = create_norm(norm, head) if qk_norm else nn.Identity()
         self.resid_drop = nn.Dropout(dropout)
+        # diagnostics=grads turns this on for its steps: the largest attention logit is then kept
+        self.record_logits = False
+        self.logit_max: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(width, dim=2))
         q, k = self.q_norm(q), self.k_norm(k)
+        if self.record_logits:
+            self.keep_logit_max(q, k)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, time, width)))
+
+    @torch.no_grad()
+    def keep_logit_max(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The largest of the logits q.k/sqrt(d) that the causal mask keeps (the fused attention
+        never shows them); over the step's micro-batches."""
+        time = q.shape[-2]
+        logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(time, time, dtype=torch.bool, device=q.device).tril()
+        top = logits.masked_fill(~causal, float("-inf")).amax()
+        self.logit_max = top if self.logit_max is None else torch.maximum(self.logit_max, top)
 
 
 class MLP(nn.Module):
