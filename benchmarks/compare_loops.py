@@ -96,14 +96,21 @@ class Workload:
 
     label: str
     overrides: tuple[str, ...]  # Hydra overrides choosing the model (and its optimizer)
-    input_shape: tuple[int, int, int]
-    num_classes: int
+    input_shape: tuple[int, ...]  # (C, H, W) images, or (block_size,) tokens
+    num_classes: int  # classes, or the vocabulary
     batch_size: int
     n_batches: int = 16  # distinct batches, cycled
     channels_last: bool = False
+    tokens: bool = False  # task=lm: token sequences in, next-token logits out
 
 
+GPT_SMALL = ("model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.block_size=128")
+GPT2_SIZED = ("model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.block_size=1024")
 WORKLOADS = {
+    "gpt-small": Workload("gpt 4x128, 128 bytes", GPT_SMALL, (128,), 256, 16, tokens=True),
+    "gpt2-sized": Workload(
+        "gpt 12x768 (GPT-2 small), 1024 bytes", GPT2_SIZED, (1024,), 256, 16, n_batches=4, tokens=True
+    ),
     "mlp-small": Workload("mlp 64-256-256-10", ("model=mlp", "model.hidden=[256,256]"), (1, 8, 8), 10, 64),
     "mlp-big": Workload("mlp 1024-2048-2048-10", ("model=mlp", "model.hidden=[2048,2048]"), (1, 32, 32), 10, 256),
     "fixup-resnet": Workload(
@@ -131,7 +138,10 @@ WORKLOADS = {
         n_batches=2,
     ),
 }
-DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
+DEFAULT_MODELS = {
+    "cpu": ["mlp-small", "mlp-big", "fixup-resnet", "gpt-small"],
+    "cuda": ["resnet50", "vit-b16", "gpt2-sized"],
+}
 # Rows run precision by precision, each on every model, in this order: the modes most asked about
 # first, plain fp32 (no TF32) last, so that a GPU run cut short by its time limit loses the least.
 DEFAULT_PRECISIONS = {"cpu": ["fp32"], "cuda": ["bf16", "fp16", "fp8", "tf32", "bf16_pure", "fp16_pure", "fp32"]}
@@ -261,7 +271,7 @@ class RawLoop(Loop):
         )
         with autocast:
             logits = self.model(x)
-        loss = F.cross_entropy(logits.float(), y)
+        loss = cross_entropy(logits, y)
         self.scaler.scale(loss).backward()
         if self.master:
             for m, p in zip(self.master, self.model.parameters()):
@@ -303,7 +313,7 @@ class AccelerateLoop(Loop):
     def step(self) -> None:
         x, y = self.next_batch()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.net(x).float(), y)
+        loss = cross_entropy(self.net(x), y)
         self.accelerator.backward(loss)
         if self.clip is not None:
             self.accelerator.clip_grad_norm_(self.net.parameters(), self.clip)
@@ -376,7 +386,7 @@ def _lightning_module_class(L):
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            loss = F.cross_entropy(self.model(x).float(), y)
+            loss = cross_entropy(self.model(x), y)
             self.last_loss = loss.detach()
             return loss
 
@@ -483,10 +493,15 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     )
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss every contender computes, in fp32: over classes, or over every next token."""
+    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
+
+
 def flops_per_image(model_cfg: DictConfig, work: Workload, device: torch.device) -> float:
-    """Forward + backward FLOPs per image, counted by torch on a fresh fp32 copy (2 images)."""
+    """Forward + backward FLOPs per image (per sequence), counted by torch on a fresh fp32 copy (2 of them)."""
     model = create_model(model_cfg, work.input_shape, work.num_classes).to(device)
-    x = torch.randn(2, *work.input_shape, device=device)
+    x = inputs(work, 2, device, torch.Generator(device).manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(x).float().sum().backward()
     return counter.get_total_flops() / 2
@@ -494,16 +509,18 @@ def flops_per_image(model_cfg: DictConfig, work: Workload, device: torch.device)
 
 def compose_cfg(work: Workload, precision: str, device: torch.device, clip: float | None) -> DictConfig:
     shape = ",".join(str(d) for d in work.input_shape)
+    # build() needs a dataset; the steps use synthetic_batches(). task=lm warms its lr up, which the
+    # other contenders' constant schedule does not.
+    data = ["task=lm", "data=pydoc", "sched.warmup_steps=0"] if work.tokens else [
+        "data=synthetic", f"data.shape=[{shape}]", f"data.num_classes={work.num_classes}",
+        f"data.num_train={work.batch_size}", "data.num_val=1",
+    ]  # fmt: skip
     overrides = [
         "logger=none",
         "trainer.progress=false",
         f"trainer.device={device.type}",
-        "data=synthetic",
-        f"data.shape=[{shape}]",
-        f"data.num_classes={work.num_classes}",
+        *data,
         f"data.batch_size={work.batch_size}",
-        f"data.num_train={work.batch_size}",  # build() needs a dataset; the steps use synthetic_batches()
-        "data.num_val=1",
         f"precision={precision}",
         "sched=constant",
         *work.overrides,
@@ -521,14 +538,21 @@ def synthetic_batches(work: Workload, device: torch.device, seed: int) -> list[t
     samples by heart, so the loss stays well above 0 while the benchmark runs: on data the model
     fits perfectly, the softmax tails underflow and CPU steps slow down on denormal numbers."""
     g = torch.Generator(device).manual_seed(seed)
-    shape = (work.batch_size, *work.input_shape)
+    targets = (work.batch_size, *work.input_shape) if work.tokens else (work.batch_size,)
     return [
         (
-            torch.randn(shape, generator=g, device=device),
-            torch.randint(0, work.num_classes, (work.batch_size,), generator=g, device=device),
+            inputs(work, work.batch_size, device, g),
+            torch.randint(0, work.num_classes, targets, generator=g, device=device),
         )
         for _ in range(work.n_batches)
     ]
+
+
+def inputs(work: Workload, n: int, device: torch.device, g: torch.Generator) -> torch.Tensor:
+    """n Gaussian images, or n sequences of random tokens."""
+    if work.tokens:
+        return torch.randint(0, work.num_classes, (n, *work.input_shape), generator=g, device=device)
+    return torch.randn((n, *work.input_shape), generator=g, device=device)
 
 
 def to_channels_last(c: Components, cfg: DictConfig) -> Components:
@@ -554,7 +578,8 @@ class Result:
     block_ms: list[float] = field(default_factory=list)
     best_ms: float | None = None  # the fastest block: less exposed to a noisy machine than the median
     ratio_to_raw: float | None = None
-    images_per_s: float | None = None
+    images_per_s: float | None = None  # samples: images, or sequences
+    tokens_per_s: float | None = None  # token workloads
     mfu: float | None = None
     peak_mem_mb: float | None = None
     steps: int = 0  # taken in all, warm-up included
@@ -653,6 +678,7 @@ def measure(
         r = results[loop.name]
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)
         r.images_per_s = 1000 * work.batch_size / r.median_ms
+        r.tokens_per_s = r.images_per_s * work.input_shape[0] if work.tokens else None
         r.steps, r.steps_per_block = loop.steps_taken, steps
         r.final_loss = float(loop.last_loss) if loop.last_loss is not None else None
         if device.type == "cuda":
@@ -739,14 +765,16 @@ def markdown(env: dict, rows: list[Result]) -> str:
         f"{env['blocks']} interleaved blocks per contender ({block_size(env)}) after {env['warmup_steps']} "
         f"warm-up steps; median over blocks. `{env['command']}`",
         "",
-        "| model | precision | contender | median ms/step | ratio to raw | images/s | MFU | peak mem MB | note |",
+        "| model | precision | contender | median ms/step | ratio to raw | samples/s (tokens/s) | MFU | peak mem MB "
+        "| note |",
         "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         mfu = fmt(None if r.mfu is None else 100 * r.mfu, ".1f") + ("%" if r.mfu is not None else "")
         lines.append(
             f"| {r.model} | {r.precision} | {r.contender} | {fmt(r.median_ms, '.3f')} | "
-            f"{fmt(r.ratio_to_raw, '.3f')}{'x' if r.ratio_to_raw else ''} | {fmt(r.images_per_s, ',.0f')} | "
+            f"{fmt(r.ratio_to_raw, '.3f')}{'x' if r.ratio_to_raw else ''} | {fmt(r.images_per_s, ',.0f')}"
+            f"{f' ({r.tokens_per_s:,.0f})' if r.tokens_per_s else ''} | "
             f"{mfu} | {fmt(r.peak_mem_mb, ',.0f')} | {r.note} |"
         )
     lines += [

@@ -6,7 +6,8 @@
 #
 # writes into OUT_DIR: env.txt (GPU, driver, torch), gpu_tests.log (pytest -m gpu: every precision
 # mode on CUDA, DDP/FSDP over nccl, host syncs per step), compare_loops.md/.json (halfprec vs a
-# raw loop vs Lightning vs Accelerate, per precision mode, images/s, MFU, peak memory), memory.md/.json
+# raw loop vs Lightning vs Accelerate, per precision mode: ResNet-50, ViT-B/16 and a GPT-2-sized
+# GPT; images/s, tokens/s, MFU, peak memory), memory.md/.json
 # (peak memory per precision mode against the analytic estimate) and bench.log (both benchmarks'
 # output): 7 files. The parts run in that order; each gets what the budget has left, less a reserve
 # for the parts after it, and is killed 10 s after its limit if it ignores SIGTERM. Both benchmarks

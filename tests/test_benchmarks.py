@@ -57,6 +57,25 @@ def test_compare_loops_fp8_against_the_raw_loop(tmp_path):
     assert rows["halfprec"]["max_param_diff_vs_raw"] <= 1e-5
 
 
+@pytest.mark.slow
+def test_compare_loops_gpt_does_the_hand_written_loops_math_and_counts_tokens(tmp_path):
+    """The GPT workload: halfprec's step (task=lm) and a nanoGPT-style loop take the same steps on the
+    same token batches to the same weights; the table reports tokens/s beside sequences/s."""
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--models", "gpt-small", "--frameworks", "none"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(out), "--markdown", str(md)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
+    halfprec, raw = rows["halfprec"], rows["raw"]
+    assert halfprec["steps"] == raw["steps"] > 0
+    assert halfprec["max_param_diff_vs_raw"] <= 1e-5
+    assert halfprec["final_loss"] == pytest.approx(raw["final_loss"], rel=1e-5)
+    assert raw["tokens_per_s"] == pytest.approx(raw["images_per_s"] * 128)  # 128-byte blocks
+    assert f"({raw['tokens_per_s']:,.0f})" in md.read_text()
+
+
 def test_gpu_script_skips_cleanly_without_a_gpu(tmp_path):
     """benchmarks/gpu.sh on a machine without CUDA: exit 0, and it says so in its output directory."""
     import torch

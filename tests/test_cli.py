@@ -184,7 +184,11 @@ OPTION_SWEEPS = {
     "data=imagefolder": ["data=imagefolder"],
     "experiment": ["+experiment=glob(*)"],
     # the experiments are digits-sized by default; at scale they take data=cifar10 (and a GPU)
-    "experiment+cifar10": ["+experiment=glob(*)", "data=cifar10", "data.num_workers=0"],
+    "experiment+cifar10": [
+        "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision])",
+        "data=cifar10",
+        "data.num_workers=0",
+    ],  # the image experiments (the others are task=lm)
 }
 
 
@@ -213,7 +217,8 @@ def test_every_config_option_runs_from_the_command_line(sweep, option_sweeps):
     for job in jobs:
         rows = read_jsonl(job / "metrics.jsonl")
         assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3], job.name
-        assert ("val/bpb" if sweep == "task=lm" else "val/acc") in rows[-1], job.name
+        language_model = sweep == "task=lm" or "lr_sensitivity" in job.name or "lm_precision" in job.name
+        assert ("val/bpb" if language_model else "val/acc") in rows[-1], job.name
 
 
 def assert_clean_exit(result):
@@ -496,3 +501,20 @@ def test_experiments_define_their_sweeps():
         ("bfloat16", "nearest", False), ("bfloat16", "kahan", False), ("bfloat16", "stochastic", False),
         ("bfloat16", "nearest", True),
     ]  # fmt: skip
+
+
+def test_the_language_model_experiments_sweep_lr_and_precision_on_the_gpt():
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        lr = compose("train", overrides=["+experiment=lr_sensitivity"], return_hydra_config=True)
+        precision = compose("train", overrides=["+experiment=lm_precision"], return_hydra_config=True)
+    for cfg in (lr, precision):
+        assert (cfg.task.name, cfg.model.arch, cfg.data.name, cfg.optim._target_) == (
+            "lm",
+            "gpt",
+            "pydoc",
+            "torch.optim.AdamW",
+        )
+    lrs = [float(v) for v in lr.hydra.sweeper.params["optim.lr"].split(",")]
+    assert max(lrs) / min(lrs) > 300 and lr.hydra.sweeper.params["model.qk_norm"] == "false,true"
+    assert lr.diagnostics.every > 0  # the attention logits are logged along the way
+    assert precision.hydra.sweeper.params.precision.split(",")[:3] == ["fp32", "fp16", "bf16"]

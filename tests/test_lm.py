@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -212,3 +213,11 @@ def test_a_diagnosed_lm_run_logs_and_plots_the_logit_growth(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 4] and all(r["diag/output_logz"] > 0 for r in rows)
     write_report(tmp_path / "run", tmp_path / "report")
     assert (tmp_path / "report" / "attn_logits.png").is_file() and (tmp_path / "report" / "logz.png").is_file()
+    # the table shows what a language model logs, not a classifier's val/acc
+    header, *_, last = [line.split("|")[1:-1] for line in (tmp_path / "report" / "report.md").read_text().splitlines()
+                        if line.startswith("|")]  # fmt: skip
+    cells = dict(zip([h.strip() for h in header], [c.strip() for c in last]))
+    assert "val/acc" not in cells and {"val/bpb", "tokens/s", "peak attn logit"} <= set(cells)
+    assert float(cells["peak attn logit"]) == pytest.approx(max(r["diag/attn_logit_max"] for r in rows), rel=1e-3)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert float(cells["val/bpb"]) == pytest.approx(summary["val/bpb"], abs=1e-4)

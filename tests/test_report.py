@@ -449,3 +449,36 @@ def test_wandb_gets_the_group_table_as_numbers(tmp_path):
     assert fp16_dynamic["val/acc"] == pytest.approx(statistics.fmean(accs))
     assert fp16_dynamic["val/acc std"] == pytest.approx(statistics.stdev(accs))
     assert fp16_dynamic["val/acc n"] == 2 and fp16_dynamic["status"] == "2 completed, 1 diverged"
+
+
+def test_a_sweep_over_a_number_plots_the_final_val_loss_against_it(tmp_path):
+    """Wortsman et al.'s plot: final val/loss against the lr, a line per value of the other override,
+    seeds averaged, a cross for a job that diverged; a sweep with no numeric axis gets no sweep.png."""
+    from halfprec.tools.report import numeric_sweep_key, sweep_figure
+
+    ends = {("1e-3", "false"): 0.5, ("1e-2", "false"): 0.4, ("1e-1", "false"): 0.9,
+            ("1e-3", "true"): 0.6, ("1e-2", "true"): 0.45, ("1e-1", "true"): 0.5}  # fmt: skip
+    jobs = [
+        FakeJob({"optim.lr": lr, "model.qk_norm": qk, "seed": str(seed)}, decay(end + seed / 100, seed))
+        for (lr, qk), end in ends.items()
+        for seed in (0, 1)
+    ]
+    jobs[5].status = "diverged"  # lr 1e-1, no qk-norm, seed 1
+    sweep = write_sweep(tmp_path / "sweep", jobs)
+    found = find_jobs(sweep)
+    assert numeric_sweep_key(found) == "optim.lr"
+    fig = sweep_figure(found, "optim.lr", "val/loss")
+    lines = drawn_lines(fig)
+    assert set(lines) == {"model.qk_norm=false", "model.qk_norm=true"}
+    no_qk = lines["model.qk_norm=false"]
+    assert list(no_qk.get_xdata()) == [1e-3, 1e-2, 1e-1] and fig.axes[0].get_xscale() == "log"
+    last = {lr: [j for j in found if j.overrides["optim.lr"] == lr and j.overrides["model.qk_norm"] == "false"]
+            for lr in ("1e-3", "1e-1")}  # fmt: skip
+    mean = statistics.fmean(j.rows[-1]["val/loss"] for j in last["1e-3"])
+    assert no_qk.get_ydata()[0] == pytest.approx(mean)
+    assert no_qk.get_ydata()[2] == pytest.approx(last["1e-1"][0].rows[-1]["val/loss"])  # the completed seed only
+    crosses = [line for line in fig.axes[0].get_lines() if line.get_marker() == "x"]
+    assert len(crosses) == 1 and "did not complete" in fig.axes[0].get_title()
+
+    assert report(str(sweep)).returncode == 0 and (sweep / "sweep.png").is_file()
+    assert numeric_sweep_key(find_jobs(write_sweep(tmp_path / "grid", grid()))) is None  # precision x scaler x seed

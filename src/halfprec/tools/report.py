@@ -37,12 +37,18 @@ METRIC_FORMATS = {
     "train/loss": ".4f",
     "val/loss": ".4f",
     "val/acc": ".4f",
+    "val/bpb": ".4f",
     "skipped steps": ".10g",  # whole and exact: counts, and scales that are powers of two
     "min scale": ".10g",
     "final scale": ".10g",
     "samples/s": ".0f",
+    "tokens/s": ".0f",
     "MFU": ".3f",
+    "peak attn logit": ".4g",
 }
+# Columns a task or a setting logs: shown only where some job logged them (val/acc: classification;
+# val/bpb, tokens/s: task=lm; the attention logits: a transformer with diagnostics=grads).
+OPTIONAL_COLUMNS = ("val/acc", "val/bpb", "tokens/s", "peak attn logit")
 # Group rows print mean and std with these: a mean of counts or powers of two is not whole.
 SPREAD_FORMATS = {**METRIC_FORMATS, "skipped steps": ".6g", "min scale": ".6g", "final scale": ".6g"}
 
@@ -203,6 +209,14 @@ def smallest(rows: list[dict], key: str) -> float | None:
     return min(values) if values else None
 
 
+def largest(rows: list[dict], key: str) -> float | None:
+    """The largest value logged; inf where a logged value was not finite (metrics.jsonl's null)."""
+    values = [row[key] for row in rows if key in row]
+    if any(v is None or not math.isfinite(v) for v in values):
+        return math.inf
+    return max(values) if values else None
+
+
 def steady_median(rows: list[dict], key: str) -> float | None:
     """Median of a perf/ metric over the rows, leaving out the step-1 row (warm-up) when there are others."""
     timed = [row for row in rows if key in row]
@@ -218,12 +232,21 @@ def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
         "train/loss": final(rows, "train/loss"),
         "val/loss": final(rows, "val/loss"),
         "val/acc": final(rows, "val/acc"),
+        "val/bpb": final(rows, "val/bpb"),
         "skipped steps": final(rows, "scaler/skipped_steps"),
         "min scale": summary.get("scaler/min_scale", smallest(rows, "scaler/scale")),
         "final scale": final(rows, "scaler/scale"),
         "samples/s": steady_median(rows, "perf/samples_per_s"),
+        "tokens/s": steady_median(rows, "perf/tokens_per_s"),
         "MFU": steady_median(rows, "perf/mfu"),  # GPUs in halfprec/training/perf.py's table only
+        "peak attn logit": largest(rows, "diag/attn_logit_max"),  # the growth Wortsman et al. watch
     }
+
+
+def metric_columns(jobs: list[Job]) -> list[str]:
+    """METRIC_FORMATS' columns, less the optional ones that no job logged."""
+    logged = [job_metrics(job.rows, job.summary) for job in jobs]
+    return [c for c in METRIC_FORMATS if c not in OPTIONAL_COLUMNS or any(m[c] is not None for m in logged)]
 
 
 def shown_overrides(jobs: list[Job]) -> list[str]:
@@ -291,12 +314,12 @@ def status_counts(jobs: list[Job]) -> str:
 
 def build_table(jobs: list[Job]) -> Table:
     """Header and raw values (numbers stay numbers, for W&B), one row per job."""
-    keys = shown_overrides(jobs)
-    header = ["job", *keys, *METRIC_FORMATS, "status"]
-    rows = [
-        [job.id, *(job.overrides.get(key) for key in keys), *job_metrics(job.rows, job.summary).values(), job.status]
-        for job in jobs
-    ]
+    keys, columns = shown_overrides(jobs), metric_columns(jobs)
+    header = ["job", *keys, *columns, "status"]
+    rows = []
+    for job in jobs:
+        metrics = job_metrics(job.rows, job.summary)
+        rows.append([job.id, *(job.overrides.get(key) for key in keys), *(metrics[c] for c in columns), job.status])
     return header, rows
 
 
@@ -306,16 +329,17 @@ def build_group_table(jobs: list[Job]) -> Table | None:
     groups = group_jobs(jobs)
     if all(len(group.jobs) == 1 for group in groups):
         return None
-    keys = [key for key in shown_overrides(jobs) if not is_seed(key)]
-    header = [*keys, "jobs", *METRIC_FORMATS, "status"]
+    keys, columns = [key for key in shown_overrides(jobs) if not is_seed(key)], metric_columns(jobs)
+    header = [*keys, "jobs", *columns, "status"]
     rows = []
     for group in groups:
         if len(group.jobs) == 1:
             (job,) = group.jobs
-            metrics, status = list(job_metrics(job.rows, job.summary).values()), job.status
+            job_values = job_metrics(job.rows, job.summary)
+            metrics, status = [job_values[column] for column in columns], job.status
         else:
             each = [job_metrics(job.rows, job.summary) for job in group.counted]
-            metrics = [spread([values[column] for values in each]) for column in METRIC_FORMATS]
+            metrics = [spread([values[column] for values in each]) for column in columns]
             status = status_counts(group.jobs)
         ids = ", ".join(job.id for job in group.jobs)
         rows.append([*(group.overrides.get(key) for key in keys), ids, *metrics, status])
@@ -515,12 +539,13 @@ def extent(line: Line, positive: bool = False) -> list[float]:
     return [value for value in [*line.values, *band] if math.isfinite(value)]
 
 
-def y_range(lines: list[Line], log2_y: bool) -> tuple[float, float, str]:
+def y_range(lines: list[Line], log2_y: bool, whole: bool = False) -> tuple[float, float, str]:
     """(bottom, top, scale) of the y axis, scale one of linear, log, log2.
 
     From the lines of jobs that did not end badly (all lines when there are none), leaving out a line
-    that reaches far above the others (see FAR). log: positive values spanning over 100x (a loss
-    falling from 2.3 to 0.01, whose first steps would otherwise be a spike above a flat line)."""
+    that reaches far above the others (see FAR) unless `whole` (a plot whose point is that growth).
+    log: positive values spanning over 100x (a loss falling from 2.3 to 0.01, whose first steps would
+    otherwise be a spike above a flat line)."""
     candidates = [line for line in lines if line.in_range and extent(line)] or [line for line in lines if extent(line)]
     positive = all(value > 0 for line in candidates for value in line.values if math.isfinite(value))
     if positive:  # in decades: a loss of 1e13 is 13 of them above 1, whatever the others' scale
@@ -532,7 +557,7 @@ def y_range(lines: list[Line], log2_y: bool) -> tuple[float, float, str]:
     low = min(min(values) for values in extents)
     typical = statistics.median(highs)
     fence = typical + FAR * max(typical - low, 1.0 if positive else abs(typical) * 0.1 or 1e-12)
-    kept = [values for values, high in zip(extents, highs) if log2_y or high <= fence] or extents
+    kept = [values for values, high in zip(extents, highs) if log2_y or whole or high <= fence] or extents
     bottom, top = min(min(values) for values in kept), max(max(values) for values in kept)
     if log2_y or (positive and top - bottom > 2):
         margin = 0.05 * (top - bottom or 1.0)  # in decades
@@ -620,8 +645,9 @@ def draw_line(ax: Any, line: Line, bottom: float, top: float, scale: str) -> Any
     return (Patch(facecolor=line.colour, alpha=0.18), drawn)
 
 
-def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False) -> Any:
-    """The Figure of `key` against step, a line per group or job that logged it; None when none did."""
+def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False, whole: bool = False) -> Any:
+    """The Figure of `key` against step, a line per group or job that logged it; None when none did.
+    whole: the y-range takes in every line (see y_range)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -629,7 +655,7 @@ def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False) -> 
     lines, legend_title = plot_data(jobs, key)
     if not any(extent(line) for line in lines):
         return None
-    bottom, top, scale = y_range(lines, log2_y)
+    bottom, top, scale = y_range(lines, log2_y, whole)
     stack_coinciding(lines, scale, bottom, top)
     # the legend grows with the lines (and their wrapped labels); the figure grows with it
     label_rows = sum(1 + len(line.label) // 52 for line in lines) + 2
@@ -663,13 +689,70 @@ def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False) -> 
     return fig
 
 
-def plot_lines(jobs: list[Job], key: str, title: str, path: Path, log2_y: bool = False) -> bool:
+def plot_lines(jobs: list[Job], key: str, title: str, path: Path, log2_y: bool = False, whole: bool = False) -> bool:
     """Write the plot of `key` against step to `path`; False (and no file) when no job logged it."""
-    fig = line_figure(jobs, key, title, log2_y)
+    fig = line_figure(jobs, key, title, log2_y, whole)
     if fig is None:
         return False
     fig.savefig(path, dpi=100)
     return True
+
+
+def numeric_sweep_key(jobs: list[Job]) -> str | None:
+    """The swept override whose values are numbers, three or more of them (optim.lr=3e-4,...,1e-1):
+    the x-axis of an "objective against hyperparameter" plot. None when there is none, or several."""
+    keys = []
+    for key in shown_overrides(jobs):
+        values = {job.overrides.get(key) for job in jobs}
+        try:
+            numbers = {float(value) for value in values}  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+        if len(numbers) >= 3 and not is_seed(key):
+            keys.append(key)
+    return keys[0] if len(keys) == 1 else None
+
+
+def sweep_figure(jobs: list[Job], key: str, metric: str) -> Any:
+    """The Figure of each job's final `metric` against the value of `key`: a line per configuration of
+    the other overrides (seeds averaged over the completed jobs), a cross for a job that did not
+    complete, at its last value. Wortsman et al.'s plot of final loss against learning rate."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    others = [k for k in shown_overrides(jobs) if k != key and not is_seed(k)]
+    by_config: dict[tuple, Group] = {}
+    for job in jobs:
+        overrides = {k: job.overrides.get(k) for k in others}
+        by_config.setdefault(tuple(overrides.items()), Group(overrides, [])).jobs.append(job)  # type: ignore[arg-type]
+    configs = list(by_config.values())
+    looks, legend_title = group_looks(configs, others)
+    fig = Figure(figsize=(9, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for config, (colour, style) in zip(configs, looks):
+        by_x: dict[float, list[float]] = {}
+        for job in config.counted:
+            value = final(job.rows, metric)
+            if value is not None and math.isfinite(value):
+                by_x.setdefault(float(job.overrides[key]), []).append(value)
+        xs = sorted(by_x)
+        label = " ".join(f"{k}={v}" for k, v in config.overrides.items()) or metric
+        ax.plot(xs, [statistics.fmean(by_x[x]) for x in xs], style, color=colour, marker="o", label=label)
+        for job in config.jobs:
+            value = final(job.rows, metric)
+            if job.status != COUNTED and value is not None and math.isfinite(value):
+                ax.plot(float(job.overrides[key]), value, "x", color=colour, markersize=9)
+    values = [float(job.overrides[key]) for job in jobs]
+    if min(values) > 0 and max(values) / min(values) >= 100:
+        ax.set_xscale("log")
+    ax.set_xlabel(key)
+    ax.set_ylabel(f"final {metric}")
+    unfinished = " (x: a job that did not complete)" if any(job.status != COUNTED for job in jobs) else ""
+    ax.set_title(f"final {metric} against {key}{unfinished}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", title=legend_title or None, title_fontsize="small")
+    return fig
 
 
 def wandb_value(value: Any) -> Any:
@@ -741,8 +824,9 @@ def note(message: str) -> None:
 
 
 def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) -> int:
-    """Print the tables, write report.md, loss.png, scale.png (and the logit plots of transformer
-    diagnostics) into `out` (default: PATH); 0 on success."""
+    """Print the tables, write report.md, loss.png, scale.png, sweep.png (final val/loss against a
+    swept number such as the lr) and the logit plots of transformer diagnostics into `out` (default:
+    PATH); 0 on success."""
     jobs = find_jobs(path)
     root = path.resolve()
     out = out or path
@@ -762,8 +846,12 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
         note("no scale.png: no job has a loss scaler (scaler/scale is 1.0 throughout)")
     elif plot_lines(jobs, "scaler/scale", f"loss scale: {where}", out / "scale.png", log2_y=True):
         images.append(out / "scale.png")
+    swept = numeric_sweep_key(jobs)
+    if swept is not None and any(final(job.rows, "val/loss") is not None for job in jobs):
+        sweep_figure(jobs, swept, "val/loss").savefig(out / "sweep.png", dpi=100)
+        images.append(out / "sweep.png")
     for key, name, title in LOGIT_PLOTS:  # diagnostics=grads on a transformer: where instabilities show first
-        if plot_lines(jobs, key, f"{title}: {where}", out / name):
+        if plot_lines(jobs, key, f"{title}: {where}", out / name, whole=True):  # the growth is the point
             images.append(out / name)
 
     text = report_text(path, jobs, markdown_tables(tables), images)
