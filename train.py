@@ -10,12 +10,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from halfprec.config import validate
+from halfprec.launch.cluster import join_job_tasks
 from halfprec.launch.exits import job_errors, run_cli
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
+        join_job_tasks()  # a submitit job of several tasks: one distributed run, as under torchrun
         validate(cfg)  # a bad value fails before any data or model is built
         from halfprec.training.run import run
 

@@ -115,7 +115,7 @@ def test_a_window_of_skipped_steps_after_a_checkpoint_logs_the_mean_loss_over_ra
 def test_ddp_without_torchrun_is_a_config_error(cli):
     result = cli.run("trainer=ddp", "logger=none")
     assert result.returncode == 2
-    assert "trainer.distributed=ddp: start it with torchrun: torchrun --nproc_per_node=2" in result.output
+    assert "trainer.distributed=ddp: start it as several processes: torchrun --nproc_per_node=2" in result.output
 
 
 def test_two_process_fsdp_equals_one_process_with_twice_the_batch(tmp_path):

@@ -19,8 +19,17 @@ def usable_cores() -> int:
 
 
 def processes_on_this_node() -> int:
-    """Training processes sharing this machine's cores: torchrun's LOCAL_WORLD_SIZE, else 1."""
+    """Training processes sharing this machine's cores: LOCAL_WORLD_SIZE (torchrun's, or a submitit job's
+    tasks per node, see halfprec.launch.cluster), else 1."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def launcher() -> str:
+    """What started this process: "submitit" (a Hydra submitit job, on SLURM or local), "torchrun", or
+    "python". Messages name the launcher the user would fix or continue with."""
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        return "submitit"
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
 
 
 def torch_threads(choice: int | str) -> int:

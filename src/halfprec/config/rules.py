@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from halfprec.errors import ConfigError
+from halfprec.machine import launcher
 
 
 def check_precision(p: DictConfig, distributed: str) -> None:
@@ -89,17 +90,22 @@ def check_workers(data: DictConfig) -> None:
 
 def check_launch(mode: str) -> None:
     """trainer.distributed and the launcher must agree; either mismatch would train wrongly in silence."""
-    torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    if mode != "none" and not torchrun:
-        raise ConfigError(
-            "trainer.distributed", mode, f"start it with torchrun: torchrun --nproc_per_node=2 train.py trainer={mode}"
-        )
-    if mode == "none" and torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+    several = "WORLD_SIZE" in os.environ and "RANK" in os.environ  # torchrun, or a submitit job's tasks
+    if mode != "none" and not several:
         raise ConfigError(
             "trainer.distributed",
             mode,
-            f"started by torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}, every process would train alone: "
-            "add trainer=ddp (or trainer=fsdp)",
+            f"start it as several processes: torchrun --nproc_per_node=2 train.py trainer={mode}, or in a sweep "
+            f"python train.py -m hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2 trainer={mode}",
+        )
+    if mode == "none" and several and int(os.environ["WORLD_SIZE"]) > 1:
+        tasks = "the launcher's tasks (hydra.launcher.tasks_per_node, nodes)"
+        started_by = "torchrun" if launcher() == "torchrun" else tasks
+        raise ConfigError(
+            "trainer.distributed",
+            mode,
+            f"started as {os.environ['WORLD_SIZE']} processes by {started_by}, every process would train "
+            "alone: add trainer=ddp (or trainer=fsdp)",
         )
 
 

@@ -101,7 +101,9 @@ def run_cli(main: Callable[[], Any], conf_dir: Path, argv: list[str]) -> int:
 
 
 def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
-    if sweep_log.jobs_recorded():  # a job failed: its line was printed when it ended; now the sweep's
+    if sweep_log.jobs_recorded():  # a job failed (its line is printed by now, or just below); the sweep's
+        if isinstance(err, Preempted):  # a job in another process was stopped by a signal
+            return _end_of_sweep(SIGNAL)
         return _end_of_sweep(SWEEP_FAILED if failure_line(err) else _bug(err))
     known = failure_line(err)
     if known is None:
@@ -122,6 +124,8 @@ def _end_of_sweep(code: int) -> int:
     counts = sweep_log.status_counts()
     if counts is None:
         return code
+    for message in sweep_log.unprinted_failures():
+        print(message, file=sys.stderr)
     path, by_status = counts
     unfinished = sum(n for status, n in by_status.items() if status != "completed")
     if code == OK and unfinished:

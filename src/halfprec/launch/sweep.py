@@ -41,6 +41,10 @@ class SweepRecord(Callback):
 
     def __init__(self) -> None:
         self._started: dict[int, float] = {}
+        # The sweep's own process. Launchers that run jobs elsewhere (joblib's workers, submitit's
+        # tasks) take a pickled copy of this callback along; there the job's failure is recorded but
+        # not printed (a submitit task's stderr is a log file): the sweep prints it when the job returns.
+        self._sweep_pid = os.getpid()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -58,6 +62,8 @@ class SweepRecord(Callback):
         hydra = config.hydra
         if hydra.mode is None or hydra.mode.name != "MULTIRUN":
             return
+        if int(os.environ.get("RANK", 0)) > 0:  # one of a job's several tasks: rank 0 records the job
+            return
         run_dir = Path(hydra.runtime.output_dir)
         summary_file = run_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
@@ -71,17 +77,22 @@ class SweepRecord(Callback):
             **{k: summary.get(k) for k in RECORDED},
         }
         if err is not None:
+            known = failure_line(err)
             line["error"] = f"{type(err).__name__}: {err}"
+            line["message"] = sweep_log.failure_message(line, known[1] if known else line["error"])
         sweep_log.append(Path(hydra.sweep.dir) / "sweep.jsonl", line)
-        if err is not None:
+        if err is not None and os.getpid() == self._sweep_pid:
             self._job_failed(line, err, bool(config.get("fail_fast")))
 
     @staticmethod
     def _job_failed(line: dict, err: BaseException, fail_fast: bool) -> None:
         """Say how the job ended (a bug with its traceback); stop the sweep where that is asked for."""
-        known = failure_line(err)
-        text = known[1] if known else "".join(traceback.format_exception(err)).rstrip()
-        print(f"job {line['job']} ({' '.join(line['overrides']) or 'defaults'}): {text}", file=sys.stderr, flush=True)
+        sweep_log.printed.add(line["job"])
+        if failure_line(err):
+            print(line["message"], file=sys.stderr, flush=True)
+        else:
+            trace = "".join(traceback.format_exception(err)).rstrip()
+            print(sweep_log.failure_message(line, trace), file=sys.stderr, flush=True)
         if isinstance(err, Preempted):  # the user (or the scheduler) wants the sweep to stop, not the next job
             raise SweepStopped(SIGNAL, f"sweep stopped at job {line['job']}: the jobs after it did not run")
         if fail_fast:

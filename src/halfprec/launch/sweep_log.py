@@ -12,6 +12,7 @@ from pathlib import Path
 STATUSES = ("completed", "failed", "diverged", "stopped")  # in the order the end-of-sweep line counts them
 
 launched: Path | None = None  # the sweep.jsonl of the multirun this process launched (set by the callback)
+printed: set[int] = set()  # the jobs whose failure this process has printed (it ran them itself)
 
 
 def append(path: Path, line: dict) -> None:
@@ -30,6 +31,20 @@ def read_lines(path: Path) -> dict[int, dict]:
         return {}
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {line["job"]: line for line in lines if "job" in line}
+
+
+def failure_message(line: dict, text: str) -> str:
+    """The line a user reads about a job that did not complete: its number, overrides and error."""
+    return f"job {line['job']} ({' '.join(line['overrides']) or 'defaults'}): {text}"
+
+
+def unprinted_failures() -> list[str]:
+    """The failure lines of this process's sweep that were not printed as their job ended: jobs a
+    launcher ran in other processes (joblib, submitit), in job order."""
+    if launched is None:
+        return []
+    lines = read_lines(launched)
+    return [lines[job]["message"] for job in sorted(lines) if "message" in lines[job] and job not in printed]
 
 
 def jobs_recorded() -> bool:

@@ -95,7 +95,7 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     world = world or World()
     device = resolve_device(cfg)
     if device.type == "cuda" and world.enabled:
-        device = torch.device("cuda", world.local_rank)
+        device = torch.device("cuda", torch.cuda.current_device())  # the GPU distributed.init chose
     seed_everything(cfg.seed, cfg.trainer.deterministic)
     data = build_dataset(cfg.data)
     model = create_model(cfg.model, data.input_shape, data.num_classes)

@@ -156,7 +156,7 @@ def checkpoint_state(
     cfg: DictConfig, c: Components, batches: TrainBatches, loop: LoopState, tracker, weights: tuple[dict, dict]
 ) -> dict:
     model_state, optimizer_state = weights
-    return {
+    return {  # "rank_loss_sums": added by Checkpointer.save
         "step": loop.step,
         "model": model_state,
         "params": c.params.state_dict(),
@@ -183,7 +183,11 @@ def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
     c.scaler.load_state_dict(ckpt["scaler"])
     batches.load_state_dict(ckpt["data"])
     set_rng_state(ckpt["rng"])
-    return LoopState(**ckpt["loop"])
+    loop = LoopState(**ckpt["loop"])
+    sums = ckpt.get("rank_loss_sums")  # each rank's own part of the logging window, at the same world size
+    if sums is not None and len(sums) == c.world.size:
+        loop.clean_loss_sum = sums[c.world.rank]
+    return loop
 
 
 class Checkpointer:
@@ -201,10 +205,14 @@ class Checkpointer:
         loop = self.loop
         if torch.is_tensor(loop.clean_loss_sum):
             loop.clean_loss_sum = loop.clean_loss_sum.item()
+        # The ranks differ in one thing: the losses of their slices summed since the last row. Saved
+        # for each, a run stopped between two rows logs the next one as an uninterrupted run would.
+        rank_loss_sums = distributed.gather_on_host(self.c.world, float(loop.clean_loss_sum))
         weights = distributed.full_state(self.c.model, self.c.optimizer)  # FSDP: every rank takes part
         if not self.c.world.is_main:  # the ranks hold the same state (FSDP: gathered to rank 0); rank 0 writes it
             return self.dir / (name or f"step-{loop.step:08d}.pt")
         state = checkpoint_state(self.cfg, self.c, self.batches, loop, self.tracker, weights)
+        state["rank_loss_sums"] = rank_loss_sums
         if name:  # a crash checkpoint: never picked by resume=auto
             save_atomic(state, self.dir / name)
             return self.dir / name

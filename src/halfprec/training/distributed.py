@@ -40,13 +40,15 @@ class World:
 
 
 def init(mode: str, device_type: str) -> World:
-    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); a no-op without DDP.
+    """Join the process group torchrun (or a submitit job's tasks, see halfprec.launch.cluster) set up
+    (gloo on CPU, nccl on CUDA); a no-op without DDP.
     (config.validate has checked that trainer.distributed and the launcher agree.)"""
     if mode == "none":
         return World()
     world = World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
     if device_type == "cuda":
-        torch.cuda.set_device(world.local_rank)
+        # the local rank's GPU; a process that sees one GPU only (SLURM binding a GPU to each task) uses it
+        torch.cuda.set_device(world.local_rank if torch.cuda.device_count() > 1 else 0)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if device_type == "cuda":  # host flags (stop signals) must not wait on the GPU's stream
@@ -172,14 +174,24 @@ def any_rank(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-def any_rank_on_host(world: World, flag: bool) -> bool:
-    """True on every rank if `flag` is true on any, reduced on the host (gloo): no device sync.
+def max_on_host(world: World, value: int) -> int:
+    """The largest of the ranks' `value`s, on every rank, reduced on the host (gloo): no device sync.
     For stop signals, which reach each rank at its own moment: all ranks must stop at one step."""
     if not world.enabled:
-        return flag
-    t = torch.tensor([int(flag)])
+        return value
+    t = torch.tensor([value])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control)
-    return bool(t.item())
+    return int(t.item())
+
+
+def gather_on_host(world: World, value: float) -> list[float]:
+    """Every rank's `value`, in rank order, on every rank (exact: float64, over the host group)."""
+    if not world.enabled:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world.size)]
+    dist.all_gather(every, mine, group=world.control)
+    return [t.item() for t in every]
 
 
 def barrier(world: World) -> None:

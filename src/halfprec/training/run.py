@@ -13,7 +13,7 @@ from omegaconf import DictConfig, open_dict
 
 from halfprec.config import resolve_device
 from halfprec.errors import Preempted
-from halfprec.machine import torch_threads
+from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted
 from halfprec.training import distributed
 from halfprec.training.build import Components, build
@@ -79,6 +79,9 @@ def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: i
         print(
             f"resume={cfg.resume}: no checkpoint in {run_dir / 'checkpoints'} yet; starting at step 0", file=sys.stderr
         )
+    elif launcher() == "submitit":
+        print("resume=null: if submitit requeues this job (preemption, time limit) it starts again at step 0; "
+              "add resume=auto to continue from its checkpoint", file=sys.stderr)  # fmt: skip
 
 
 def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:

@@ -1,5 +1,6 @@
-"""Stop signals: SIGTERM, SIGUSR1 (SLURM's warning before preemption or a time limit) and the first
-Ctrl-C stop the run at a step boundary, with a checkpoint and the command that continues it."""
+"""Stop signals: SIGTERM, SIGUSR1 and SIGUSR2 (SLURM's warning before preemption or a time limit:
+submitit asks for USR2) and the first Ctrl-C stop the run at a step boundary, with a checkpoint and
+the command that continues it."""
 
 from __future__ import annotations
 
@@ -12,19 +13,22 @@ from pathlib import Path
 from typing import NoReturn
 
 from halfprec.errors import Preempted
+from halfprec.machine import launcher
 from halfprec.training import distributed
 from halfprec.training.distributed import World
 
 
 class StopSignals:
-    """Turns SIGTERM, SIGUSR1 (SLURM's warning before preemption or time limit) and the first
-    Ctrl-C (SIGINT) into a flag the loop checks after each step, so it stops at a step boundary with
-    a checkpoint. A second Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved)."""
+    """Turns SIGTERM, SIGUSR1, SIGUSR2 (SLURM's warning before preemption or time limit; submitit
+    sends USR2 unless $SUBMITIT_PREEMPT_SIGNAL says otherwise) and the first Ctrl-C (SIGINT) into a
+    flag the loop checks after each step, so it stops at a step boundary with a checkpoint. A second
+    Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.received: int | None = None  # the signal this process got
+        self.on_some_rank = 0  # a signal some rank got (the largest number, if several), once agreed
         self._previous: dict = {}
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -37,11 +41,14 @@ class StopSignals:
 
     def forward(self) -> None:
         """After the checkpoint: hand the signal to the handler we replaced, if it was a function.
-        Under submitit that one requeues the job (and exits); otherwise nothing happens. Never for
-        Ctrl-C, whose default handler would raise KeyboardInterrupt after all."""
-        previous = self._previous.get(self.received)
-        if callable(previous) and self.received != signal.SIGINT:
-            previous(self.received, None)
+        Under submitit that one requeues the job and exits (on rank 0; it returns on the other
+        tasks); otherwise nothing happens. Never for Ctrl-C, whose default handler would raise
+        KeyboardInterrupt after all."""
+        # Under submitit the signal may have reached another task first; rank 0 still requeues the job.
+        signum = self.received or self.on_some_rank
+        previous = self._previous.get(signum)
+        if callable(previous) and signum != signal.SIGINT:
+            previous(signum, None)
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
@@ -57,7 +64,8 @@ class StopSignals:
     def agreed(self, world: World) -> bool:
         """Whether any rank got a signal: it reaches each rank at its own moment (or only some of
         them), and all of them must stop at the same step."""
-        return distributed.any_rank_on_host(world, self.received is not None)
+        self.on_some_rank = distributed.max_on_host(world, self.received or 0)
+        return self.on_some_rank > 0
 
     def stop(self, world: World, step: int, saved: Path, run_dir: Path) -> NoReturn:
         """After the checkpoint: wait for every rank (none exits, and gets the job torn down, before
@@ -78,11 +86,24 @@ def signal_name(signum: int | None) -> str:
 
 def resume_command(run_dir: Path, world: World) -> str:
     """The command that continues this run: its own overrides (a sweep job's too), its run dir, resume=auto."""
+    if launcher() == "submitit":
+        return "the same job, which submitit requeues (with resume=auto in its overrides it continues from here)"
     try:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
     except ValueError:  # run() called outside Hydra (tests, notebooks)
         return f"the same overrides plus hydra.run.dir={shlex.quote(str(run_dir))} resume=auto"
-    launcher = f"torchrun --nproc_per_node={world.size} train.py" if world.size > 1 else "python train.py"
-    return " ".join([launcher, *map(shlex.quote, overrides), shlex.quote(f"hydra.run.dir={run_dir}"), "resume=auto"])
+    where = shlex.quote(f"hydra.run.dir={run_dir}")
+    return " ".join([torchrun(world), *map(shlex.quote, overrides), where, "resume=auto"])
+
+
+def torchrun(world: World) -> str:
+    """How this run was started: python, torchrun on one node, or torchrun on several (their rendezvous)."""
+    if world.size == 1:
+        return "python train.py"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))  # torchrun's agents, one per node
+    if nodes == 1:
+        return f"torchrun --nproc_per_node={world.size} train.py"
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", world.size // nodes)
+    return f"torchrun --nnodes={nodes} --nproc_per_node={per_node} <the same rendezvous options> train.py"
