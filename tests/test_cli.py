@@ -515,6 +515,6 @@ def test_the_language_model_experiments_sweep_lr_and_precision_on_the_gpt():
             "torch.optim.AdamW",
         )
     lrs = [float(v) for v in lr.hydra.sweeper.params["optim.lr"].split(",")]
-    assert max(lrs) / min(lrs) > 300 and lr.hydra.sweeper.params["model.qk_norm"] == "false,true"
+    assert max(lrs) / min(lrs) >= 1000 and lr.hydra.sweeper.params["model.qk_norm"] == "false,true"
     assert lr.diagnostics.every > 0  # the attention logits are logged along the way
     assert precision.hydra.sweeper.params.precision.split(",")[:3] == ["fp32", "fp16", "bf16"]

@@ -737,7 +737,7 @@ def sweep_figure(jobs: list[Job], key: str, metric: str) -> Any:
             if value is not None and math.isfinite(value):
                 by_x.setdefault(float(job.overrides[key]), []).append(value)
         xs = sorted(by_x)
-        label = " ".join(f"{k}={v}" for k, v in config.overrides.items()) or metric
+        label = " ".join(f"{k}={v}" for k, v in config.overrides.items() if v is not None) or "defaults"
         ax.plot(xs, [statistics.fmean(by_x[x]) for x in xs], style, color=colour, marker="o", label=label)
         for job in config.jobs:
             value = final(job.rows, metric)
