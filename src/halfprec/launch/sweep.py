@@ -76,19 +76,19 @@ class SweepRecord(Callback):
             "dir": str(run_dir),
             **{k: summary.get(k) for k in RECORDED},
         }
+        known = failure_line(err) if err is not None else None
         if err is not None:
-            known = failure_line(err)
             line["error"] = f"{type(err).__name__}: {err}"
             line["message"] = sweep_log.failure_message(line, known[1] if known else line["error"])
         sweep_log.append(Path(hydra.sweep.dir) / "sweep.jsonl", line)
         if err is not None and os.getpid() == self._sweep_pid:
-            self._job_failed(line, err, bool(config.get("fail_fast")))
+            self._job_failed(line, err, known is not None, bool(config.get("fail_fast")))
 
     @staticmethod
-    def _job_failed(line: dict, err: BaseException, fail_fast: bool) -> None:
-        """Say how the job ended (a bug with its traceback); stop the sweep where that is asked for."""
+    def _job_failed(line: dict, err: BaseException, known: bool, fail_fast: bool) -> None:
+        """Say how the job ended (a bug, not `known`, with its traceback); stop the sweep where that is asked for."""
         sweep_log.printed.add(line["job"])
-        if failure_line(err):
+        if known:
             print(line["message"], file=sys.stderr, flush=True)
         else:
             trace = "".join(traceback.format_exception(err)).rstrip()

@@ -243,9 +243,8 @@ def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def metric_columns(jobs: list[Job]) -> list[str]:
-    """METRIC_FORMATS' columns, less the optional ones that no job logged."""
-    logged = [job_metrics(job.rows, job.summary) for job in jobs]
+def metric_columns(logged: list[dict[str, Any]]) -> list[str]:
+    """METRIC_FORMATS' columns, less the optional ones that no job logged (`logged`: job_metrics of each)."""
     return [c for c in METRIC_FORMATS if c not in OPTIONAL_COLUMNS or any(m[c] is not None for m in logged)]
 
 
@@ -275,11 +274,12 @@ class Group:
         return [job for job in self.jobs if job.status == COUNTED]
 
 
-def group_jobs(jobs: list[Job]) -> list[Group]:
-    """The jobs' groups, in the order of each group's first job."""
+def group_jobs(jobs: list[Job], leave_out: tuple[str, ...] = ()) -> list[Group]:
+    """The jobs' groups, in the order of each group's first job; overrides in `leave_out` (a plot's
+    x-axis) do not tell groups apart, as the seed does not."""
     groups: dict[tuple, Group] = {}
     for job in jobs:
-        overrides = {key: value for key, value in job.overrides.items() if not is_seed(key)}
+        overrides = {key: value for key, value in job.overrides.items() if not is_seed(key) and key not in leave_out}
         groups.setdefault(tuple(sorted(overrides.items())), Group(overrides, [])).jobs.append(job)
     return list(groups.values())
 
@@ -314,11 +314,11 @@ def status_counts(jobs: list[Job]) -> str:
 
 def build_table(jobs: list[Job]) -> Table:
     """Header and raw values (numbers stay numbers, for W&B), one row per job."""
-    keys, columns = shown_overrides(jobs), metric_columns(jobs)
+    logged = [job_metrics(job.rows, job.summary) for job in jobs]
+    keys, columns = shown_overrides(jobs), metric_columns(logged)
     header = ["job", *keys, *columns, "status"]
     rows = []
-    for job in jobs:
-        metrics = job_metrics(job.rows, job.summary)
+    for job, metrics in zip(jobs, logged):
         rows.append([job.id, *(job.overrides.get(key) for key in keys), *(metrics[c] for c in columns), job.status])
     return header, rows
 
@@ -329,16 +329,16 @@ def build_group_table(jobs: list[Job]) -> Table | None:
     groups = group_jobs(jobs)
     if all(len(group.jobs) == 1 for group in groups):
         return None
-    keys, columns = [key for key in shown_overrides(jobs) if not is_seed(key)], metric_columns(jobs)
+    logged = {job.id: job_metrics(job.rows, job.summary) for job in jobs}
+    keys, columns = [key for key in shown_overrides(jobs) if not is_seed(key)], metric_columns(list(logged.values()))
     header = [*keys, "jobs", *columns, "status"]
     rows = []
     for group in groups:
         if len(group.jobs) == 1:
             (job,) = group.jobs
-            job_values = job_metrics(job.rows, job.summary)
-            metrics, status = [job_values[column] for column in columns], job.status
+            metrics, status = [logged[job.id][column] for column in columns], job.status
         else:
-            each = [job_metrics(job.rows, job.summary) for job in group.counted]
+            each = [logged[job.id] for job in group.counted]
             metrics = [spread([values[column] for values in each]) for column in columns]
             status = status_counts(group.jobs)
         ids = ", ".join(job.id for job in group.jobs)
@@ -721,11 +721,7 @@ def sweep_figure(jobs: list[Job], key: str, metric: str) -> Any:
     from matplotlib.figure import Figure
 
     others = [k for k in shown_overrides(jobs) if k != key and not is_seed(k)]
-    by_config: dict[tuple, Group] = {}
-    for job in jobs:
-        overrides = {k: job.overrides.get(k) for k in others}
-        by_config.setdefault(tuple(overrides.items()), Group(overrides, [])).jobs.append(job)  # type: ignore[arg-type]
-    configs = list(by_config.values())
+    configs = group_jobs(jobs, leave_out=(key,))
     looks, legend_title = group_looks(configs, others)
     fig = Figure(figsize=(9, 5), layout="constrained")
     FigureCanvasAgg(fig)
@@ -737,7 +733,7 @@ def sweep_figure(jobs: list[Job], key: str, metric: str) -> Any:
             if value is not None and math.isfinite(value):
                 by_x.setdefault(float(job.overrides[key]), []).append(value)
         xs = sorted(by_x)
-        label = " ".join(f"{k}={v}" for k, v in config.overrides.items() if v is not None) or "defaults"
+        label = " ".join(f"{k}={config.overrides[k]}" for k in others if k in config.overrides) or "defaults"
         ax.plot(xs, [statistics.fmean(by_x[x]) for x in xs], style, color=colour, marker="o", label=label)
         for job in config.jobs:
             value = final(job.rows, metric)

@@ -153,10 +153,16 @@ def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
 
 
 def checkpoint_state(
-    cfg: DictConfig, c: Components, batches: TrainBatches, loop: LoopState, tracker, weights: tuple[dict, dict]
+    cfg: DictConfig,
+    c: Components,
+    batches: TrainBatches,
+    loop: LoopState,
+    tracker,
+    weights: tuple[dict, dict],
+    rank_loss_sums: list[float],
 ) -> dict:
     model_state, optimizer_state = weights
-    return {  # "rank_loss_sums": added by Checkpointer.save
+    return {
         "step": loop.step,
         "model": model_state,
         "params": c.params.state_dict(),
@@ -166,6 +172,7 @@ def checkpoint_state(
         "rng": rng_state(),
         "data": batches.state_dict(),
         "loop": asdict(loop),
+        "rank_loss_sums": rank_loss_sums,  # each rank's loss sum since the last row (LoopState's is rank 0's)
         "config": saved_config(cfg),
         "wandb_id": tracker.wandb_id,
         "world_size": c.world.size,
@@ -211,8 +218,7 @@ class Checkpointer:
         weights = distributed.full_state(self.c.model, self.c.optimizer)  # FSDP: every rank takes part
         if not self.c.world.is_main:  # the ranks hold the same state (FSDP: gathered to rank 0); rank 0 writes it
             return self.dir / (name or f"step-{loop.step:08d}.pt")
-        state = checkpoint_state(self.cfg, self.c, self.batches, loop, self.tracker, weights)
-        state["rank_loss_sums"] = rank_loss_sums
+        state = checkpoint_state(self.cfg, self.c, self.batches, loop, self.tracker, weights, rank_loss_sums)
         if name:  # a crash checkpoint: never picked by resume=auto
             save_atomic(state, self.dir / name)
             return self.dir / name
