@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +40,28 @@ def flops_per_step(row: dict) -> float:
     """The FLOPs per optimizer step behind a metric row's perf/tflops (perf/step_ms, from the same
     clock readings, gives the time per step)."""
     return row["perf/tflops"] * 1e12 * row["perf/step_ms"] / 1000
+
+
+def own_session() -> None:
+    """Popen's preexec_fn for a run a test signals: a session of its own (Ctrl-C, sent to the group,
+    reaches it as a terminal's would), with SIGINT at its default. A process started as a background
+    job of a script ignores SIGINT and hands that on, and train.py leaves an ignored SIGINT ignored
+    (as under nohup), so pytest run that way would otherwise see every Ctrl-C test hang."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def signalled(args: list[str], **popen_kwargs) -> Iterator[subprocess.Popen]:
+    """A run started for a test to signal (own_session); killed with its group on the way out,
+    so that a failed assertion does not leave it training."""
+    proc = subprocess.Popen(args, preexec_fn=own_session, **popen_kwargs)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

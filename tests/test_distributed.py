@@ -17,7 +17,7 @@ import torch
 from conftest import read_jsonl
 
 import wandb_records
-from helpers import TINY, TRAIN, flops_per_step, torchrun
+from helpers import TINY, TRAIN, flops_per_step, own_session, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -218,7 +218,7 @@ def test_stop_signal_on_one_rank_stops_every_rank_at_the_same_step_with_a_checkp
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # its own process group, so that a failure here takes the workers down with the agent
-    agent = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.PIPE, start_new_session=True)
+    agent = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.PIPE, preexec_fn=own_session)
     try:
         deadline = time.monotonic() + 120
         metrics = run_dir / "metrics.jsonl"

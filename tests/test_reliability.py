@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import read_jsonl
@@ -18,7 +19,7 @@ from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.training.run import run
 
 import wandb_records
-from helpers import compose_cfg
+from helpers import compose_cfg, signalled
 
 
 def wait_for_rows(metrics, proc: subprocess.Popen, rows: int) -> None:
@@ -40,10 +41,10 @@ def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, s
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run(train_cmd(straight, *FP32), check=True, capture_output=True)
     # a session of its own: Ctrl-C in a terminal signals the whole foreground process group
-    proc = subprocess.Popen(train_cmd(stopped, *FP32), stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for_rows(stopped / "metrics.jsonl", proc, 20)
-    os.killpg(proc.pid, signum)
-    _, err = proc.communicate(timeout=60)
+    with signalled(train_cmd(stopped, *FP32), stderr=subprocess.PIPE, text=True) as proc:
+        wait_for_rows(stopped / "metrics.jsonl", proc, 2)  # step 5 of 400: the signal comes long before the end
+        os.killpg(proc.pid, signum)
+        _, err = proc.communicate(timeout=60)
 
     assert proc.returncode == 4, err
     assert err.splitlines()[0] == f"run dir: {stopped}"  # logger=none too
@@ -66,23 +67,68 @@ def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, s
     assert without_perf(read_jsonl(metrics)) == without_perf(read_jsonl(straight / "metrics.jsonl"))
 
 
-def test_a_second_ctrl_c_quits_at_once_without_a_traceback(tmp_path):
-    """Steps of ~0.1 s or more: the second Ctrl-C arrives while the first one waits for its step to end."""
-    cmd = train_cmd(tmp_path, "model.hidden=[2048,2048]", "data.batch_size=1024", "trainer.max_steps=1000")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for_rows(tmp_path / "metrics.jsonl", proc, 0)
-    os.killpg(proc.pid, signal.SIGINT)
-    lines = []
-    for line in proc.stderr:  # the first Ctrl-C is acknowledged at once, mid-step
-        lines.append(line)
-        if "Ctrl-C again to quit now" in line:
-            break
-    os.killpg(proc.pid, signal.SIGINT)
-    err = "".join(lines) + proc.stderr.read()
-    proc.wait(timeout=60)
+# Steps of ~0.1 s or more: a second Ctrl-C arrives while the first one waits for its step to end.
+LONG_STEPS = ["model.hidden=[2048,2048]", "data.batch_size=1024", "trainer.max_steps=100000"]
+
+
+def test_a_second_ctrl_c_quits_at_once_and_says_what_is_on_disk(tmp_path):
+    with signalled(train_cmd(tmp_path, *LONG_STEPS), stderr=subprocess.PIPE, text=True) as proc:
+        wait_for_rows(tmp_path / "metrics.jsonl", proc, 0)
+        os.killpg(proc.pid, signal.SIGINT)
+        lines = []
+        for line in proc.stderr:  # the first Ctrl-C is acknowledged at once, mid-step
+            lines.append(line)
+            if "Ctrl-C again to quit now" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        err = "".join(lines) + proc.stderr.read()
+        proc.wait(timeout=60)
     assert proc.returncode == 130, err
-    assert "interrupted: quit without saving" in err and "Traceback" not in err
-    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step-*"))
+    assert err.count("Ctrl-C again to quit now") == 1 and "Traceback" not in err
+    assert_says_what_is_on_disk(err, tmp_path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="sees pending signals through /proc")
+def test_two_quick_ctrl_c_after_a_checkpoint_quit_and_name_it(tmp_path):
+    """Two presses in a row, as a user who means it: Python may run one handler for both."""
+    cmd = train_cmd(tmp_path, *LONG_STEPS, "trainer.ckpt_every=2")
+    with signalled(cmd, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.monotonic() + 120
+        while not checkpoint_files(tmp_path / "checkpoints"):
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint was written"
+            time.sleep(0.005)
+        delivered(proc, signal.SIGINT)  # taken by its C-level handler, not yet by Python's: the kernel
+        os.killpg(proc.pid, signal.SIGINT)  # would merge a second signal with a still pending one
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert_says_what_is_on_disk(err, tmp_path)
+
+
+def delivered(proc: subprocess.Popen, signum: int) -> None:
+    """Send `signum` to the process and wait until it is no longer pending (/proc/<pid>/status)."""
+    os.killpg(proc.pid, signum)
+    bit, deadline = 1 << (signum - 1), time.monotonic() + 60
+    status = Path(f"/proc/{proc.pid}/status")
+    while any(int(line.split()[1], 16) & bit for line in status.read_text().splitlines() if "Pnd:" in line):
+        assert time.monotonic() < deadline, "the signal stayed pending"
+        time.sleep(0.001)
+
+
+def assert_says_what_is_on_disk(err: str, run_dir) -> None:
+    """The quit's line names the checkpoint a resume would take (or says there is none), no
+    half-written file is left, and summary.json records the run as interrupted."""
+    (line,) = [line for line in err.splitlines() if line.startswith("interrupted: ")]
+    saved = checkpoint_files(run_dir / "checkpoints")
+    if not saved:
+        assert line.endswith("no checkpoint was saved yet: nothing to resume from"), line
+    else:
+        step = load_checkpoint(saved[-1])["step"]
+        assert f"saving {saved[-1]}; " in line or f"the last checkpoint is {saved[-1]} (step {step}); " in line, line
+        assert "; continue from it with: python train.py " in line and line.endswith(" resume=auto"), line
+    assert [p.name for p in run_dir.glob("checkpoints/.*")] == []  # no temp file of a torn save
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("interrupted", 130)
 
 
 def test_nonfinite_abort_without_a_scaler_saves_a_crash_checkpoint_and_names_the_culprit(tmp_path):

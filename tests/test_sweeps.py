@@ -17,6 +17,7 @@ import yaml
 from conftest import REPO, TRAIN, read_jsonl
 
 import wandb_records
+from helpers import signalled
 
 SWEEPS = sorted((REPO / "sweeps").glob("*.yaml"))
 
@@ -122,14 +123,14 @@ def test_ctrl_c_stops_the_sweep_after_the_running_jobs_checkpoint(tmp_path):
     sweep_dir = tmp_path / "multi"
     cmd = [sys.executable, str(TRAIN), "-m", "seed=0,1", "logger=none", "trainer.max_steps=100000",
            "trainer.progress=false", f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    # a logged row: the loop is running, with its handlers (metrics.jsonl is opened just before it)
-    while not any(path.read_text() for path in sweep_dir.glob("0_*/metrics.jsonl")):
-        assert time.monotonic() < deadline and proc.poll() is None, "job 0 did not start"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    with signalled(cmd, cwd=tmp_path, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.monotonic() + 120
+        # a logged row: the loop is running, with its handlers (metrics.jsonl is opened just before it)
+        while not any(path.read_text() for path in sweep_dir.glob("0_*/metrics.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, "job 0 did not start"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
 
     assert proc.returncode == 4, err[-3000:]
     assert "Traceback" not in err

@@ -51,3 +51,7 @@ class PrecisionMismatch(RuntimeError):
 class Preempted(Exception):
     """A stop signal (SIGTERM, SIGUSR1, the first Ctrl-C) arrived and a checkpoint was saved.
     The message says how to resume."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C quit the run at once. The message says what is on disk and how to go on."""

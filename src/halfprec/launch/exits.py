@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf.errors import OmegaConfBaseException
 
-from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
+from halfprec.errors import ConfigError, InitError, Interrupted, PrecisionMismatch, Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 
 OK = 0
@@ -87,8 +87,11 @@ def run_cli(main: Callable[[], Any], conf_dir: Path, argv: list[str]) -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises; what it would print is decided below
     try:
         main()
-    except KeyboardInterrupt:
-        print("interrupted: quit without saving (the last checkpoint is in the run dir)", file=sys.stderr)
+    except Interrupted as err:  # a second Ctrl-C during training: its message says what is on disk
+        print(f"interrupted: {err}", file=sys.stderr)
+        return _end_of_sweep(INTERRUPTED)
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps, which is not deferred to a step's end
+        print("interrupted: quit at once, outside the training steps (nothing more was saved)", file=sys.stderr)
         return _end_of_sweep(INTERRUPTED)
     except SweepStopped as stop:
         print(stop.message, file=sys.stderr)

@@ -9,9 +9,12 @@ a checkpoint name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,8 +47,14 @@ def checkpoint_files(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoints in `ckpt_dir`, oldest first (temp files of an interrupted save are ignored)."""
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := CKPT_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return sorted((p for p in ckpt_dir.iterdir() if CKPT_RE.match(p.name)), key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a `step-N.pt` file, from its name."""
+    found = CKPT_RE.match(path.name)
+    assert found, path
+    return int(found.group(1))
 
 
 def save_atomic(obj: Any, path: Path) -> None:
@@ -201,9 +210,19 @@ class Checkpointer:
     """Saves the run every trainer.ckpt_every steps (0: only at the end), at the last step and when
     it stops; crash checkpoints (never picked by resume=auto) when training cannot go on."""
 
-    def __init__(self, cfg: DictConfig, c: Components, batches: TrainBatches, loop: LoopState, tracker, ckpt_dir: Path):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        c: Components,
+        batches: TrainBatches,
+        loop: LoopState,
+        tracker,
+        ckpt_dir: Path,
+        hold: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    ):
         self.cfg, self.c, self.batches, self.loop, self.tracker, self.dir = cfg, c, batches, loop, tracker, ckpt_dir
         self.every, self.keep, self.max_steps = cfg.trainer.ckpt_every, cfg.trainer.ckpt_keep, cfg.trainer.max_steps
+        self.hold = hold  # StopSignals.holding: a second Ctrl-C waits for the file being written
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.max_steps
@@ -219,7 +238,8 @@ class Checkpointer:
         if not self.c.world.is_main:  # the ranks hold the same state (FSDP: gathered to rank 0); rank 0 writes it
             return self.dir / (name or f"step-{loop.step:08d}.pt")
         state = checkpoint_state(self.cfg, self.c, self.batches, loop, self.tracker, weights, rank_loss_sums)
-        if name:  # a crash checkpoint: never picked by resume=auto
-            save_atomic(state, self.dir / name)
-            return self.dir / name
-        return save_checkpoint(state, self.dir, loop.step, self.keep)
+        with self.hold():
+            if name:  # a crash checkpoint: never picked by resume=auto
+                save_atomic(state, self.dir / name)
+                return self.dir / name
+            return save_checkpoint(state, self.dir, loop.step, self.keep)

@@ -26,10 +26,11 @@ def train_loop(
     t = cfg.trainer
     probes = StepProbes(cfg, c, first=loop.step + 1)
     window, validator = MetricsWindow(cfg, c, loop), Validator(cfg, c)
-    saver = Checkpointer(cfg, c, batches, loop, tracker, ckpt_dir)
+    stop = StopSignals()
+    saver = Checkpointer(cfg, c, batches, loop, tracker, ckpt_dir, hold=stop.holding)
     abort_on_nonfinite = t.nonfinite == "abort" and c.scaler.kind == "none"
     c.model.train()
-    with Progress(t.max_steps, enabled=t.progress and c.world.is_main) as progress, StopSignals() as stop:
+    with Progress(t.max_steps, enabled=t.progress and c.world.is_main) as progress, stop:
         for step in range(loop.step + 1, t.max_steps + 1):
             loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from halfprec.config import resolve_device
-from halfprec.errors import Preempted
+from halfprec.errors import Interrupted, Preempted
 from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted
 from halfprec.training import distributed
@@ -20,6 +20,7 @@ from halfprec.training.build import Components, build
 from halfprec.training.checkpoint import (
     check_resume_config,
     checkpoint_files,
+    checkpoint_step,
     find_resume_checkpoint,
     load_checkpoint,
     restore,
@@ -28,6 +29,7 @@ from halfprec.training.distributed import World
 from halfprec.training.loop import train_loop
 from halfprec.training.metrics import LoopState
 from halfprec.training.progress import fmt
+from halfprec.training.signals import resume_command
 from halfprec.training.tracking import Tracker, build_tracker, saved_config
 
 
@@ -106,11 +108,28 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
         summary = end_summary(cfg, c, loop, status, code, time.perf_counter() - start)
         summary["error"] = str(err).splitlines()[0]
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C (StopSignals): say what is on disk, exit 130
+        summary = end_summary(cfg, c, loop, "interrupted", 130, time.perf_counter() - start)
+        summary["error"] = interrupted_line(loop.step, run_dir, world)
+        raise Interrupted(summary["error"]) from None
     finally:
         if world.is_main and summary.get("status"):
             write_summary(run_dir / "summary.json", summary)
         tracker.finish(summary)
     return summary
+
+
+def interrupted_line(step: int, run_dir: Path, world: World) -> str:
+    """What a quit at `step` left: the checkpoint saved at that step, an older one, or none."""
+    saved = checkpoint_files(run_dir / "checkpoints")
+    if not saved:
+        return f"quit during step {step}; no checkpoint was saved yet: nothing to resume from"
+    last = checkpoint_step(saved[-1])
+    if last == step:  # the quit waited for this step's checkpoint
+        done = f"quit at step {step} after saving {saved[-1]}"
+    else:
+        done = f"quit during step {step}; the last checkpoint is {saved[-1]} (step {last})"
+    return f"{done}; continue from it with: {resume_command(run_dir, world)}"
 
 
 def end_summary(cfg: DictConfig, c: Components, loop: LoopState, status: str, exit_code: int, wall_s: float) -> dict:

@@ -4,11 +4,14 @@ the command that continues it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -22,7 +25,8 @@ class StopSignals:
     """Turns SIGTERM, SIGUSR1, SIGUSR2 (SLURM's warning before preemption or time limit; submitit
     sends USR2 unless $SUBMITIT_PREEMPT_SIGNAL says otherwise) and the first Ctrl-C (SIGINT) into a
     flag the loop checks after each step, so it stops at a step boundary with a checkpoint. A second
-    Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved)."""
+    Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved); one that comes while a
+    checkpoint is being written quits as soon as that file is complete (`holding`)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
@@ -30,14 +34,55 @@ class StopSignals:
         self.received: int | None = None  # the signal this process got
         self.on_some_rank = 0  # a signal some rank got (the largest number, if several), once agreed
         self._previous: dict = {}
+        self._ctrl_c = 0  # Ctrl-C presses: handler calls, or bytes in the wakeup socket if more
+        self._ctrl_c_bytes = 0
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous_wakeup = -1
+        self._holding = False  # a checkpoint is being written: a quit waits for it
+        self._quitting = False
 
     def _handle(self, signum: int, frame: object) -> None:
-        if signum == signal.SIGINT:
-            if self.received is not None:
-                raise KeyboardInterrupt
-            if os.environ.get("RANK", "0") == "0":  # torchrun hands the Ctrl-C to every rank: one says so
-                print("\nCtrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit now", file=sys.stderr)
+        if self._quitting:  # one more Ctrl-C while the quit is under way
+            return
+        first = self.received is None
+        # Recorded before anything is printed: a second Ctrl-C may arrive during the print, and
+        # Python then runs its handler in the middle of this one.
         self.received = signum
+        if signum != signal.SIGINT:
+            return
+        self._ctrl_c = max(self._ctrl_c + 1, self._presses())
+        if first and self._ctrl_c == 1:
+            if os.environ.get("RANK", "0") == "0":  # torchrun hands the Ctrl-C to every rank: one says so
+                say("\nCtrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit now")
+            return
+        self._quitting = True  # a second Ctrl-C, or one after another stop signal
+        if self._holding:
+            say("\nCtrl-C again: quitting as soon as the checkpoint being written is complete")
+        else:
+            raise KeyboardInterrupt
+
+    def _presses(self) -> int:
+        """The Ctrl-C presses delivered so far, counted at the C level. Python runs one handler for
+        signals that arrive before it gets to run it (during one long torch op), so two quick presses
+        would count as one; the wakeup socket gets a byte per signal delivered."""
+        if self._wakeup is not None:
+            try:
+                self._ctrl_c_bytes += self._wakeup[0].recv(4096).count(bytes([signal.SIGINT]))
+            except BlockingIOError:
+                pass
+        return self._ctrl_c_bytes
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """While a checkpoint is written: a second Ctrl-C waits for the file to be complete instead
+        of tearing torch.save apart, and the quit follows right after it."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self._quitting:
+            raise KeyboardInterrupt
 
     def forward(self) -> None:
         """After the checkpoint: hand the signal to the handler we replaced, if it was a function.
@@ -54,12 +99,21 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             # a SIGINT ignored at start (`nohup`, a background job of a script) stays ignored
             wanted = [s for s in self.SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)]
+            self._wakeup = socket.socketpair()
+            for end in self._wakeup:
+                end.setblocking(False)
+            self._previous_wakeup = signal.set_wakeup_fd(self._wakeup[1].fileno(), warn_on_full_buffer=False)
             self._previous = {s: signal.signal(s, self._handle) for s in wanted}
         return self
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            for end in self._wakeup:
+                end.close()
+            self._wakeup = None
 
     def agreed(self, world: World) -> bool:
         """Whether any rank got a signal: it reaches each rank at its own moment (or only some of
@@ -76,6 +130,10 @@ class StopSignals:
             f"{signal_name(self.received)} at step {step}: saved {saved}; continue with: "
             f"{resume_command(run_dir, world)}"
         )
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def signal_name(signum: int | None) -> str:
