@@ -17,6 +17,15 @@ from halfprec.training import signals
 from halfprec.training.signals import StopSignals
 
 
+@pytest.fixture(autouse=True)
+def sigint_taken():
+    """pytest started as a background job of a script ignores SIGINT, and StopSignals leaves an
+    ignored SIGINT ignored (as under nohup): here it is taken as in a terminal."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_the_first_ctrl_c_is_acknowledged_and_recorded(capsys):
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGINT)
