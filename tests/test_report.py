@@ -235,6 +235,7 @@ class FakeJob:
     scale: float = 1.0  # scaler/scale at every row
     val_acc: float | None = 0.9  # logged with the last row (None: logged as null)
     error: str = ""  # sweep.jsonl's error for a job that did not complete (default: a divergence)
+    logs_val: bool = True  # val/loss and val/acc with the last row (False: it stopped before validating)
 
 
 def write_sweep(root: Path, jobs: list[FakeJob], log_every: int = 10) -> Path:
@@ -243,22 +244,7 @@ def write_sweep(root: Path, jobs: list[FakeJob], log_every: int = 10) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     sweep_lines = []
     for num, job in enumerate(jobs):
-        run_dir = root / f"{num}_{','.join(f'{k}={v}' for k, v in job.overrides.items())}"
-        (run_dir / ".hydra").mkdir(parents=True)
-        (run_dir / ".hydra" / "overrides.yaml").write_text(
-            yaml.safe_dump([f"{k}={v}" for k, v in job.overrides.items()])
-        )
-        (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "logger": {"project": "halfprec"}}))
-        rows = [
-            {"step": log_every * (i + 1), "train/loss": loss, "scaler/scale": job.scale, "scaler/skipped_steps": 0}
-            for i, loss in enumerate(job.loss)
-        ]
-        if rows and job.status != "running":
-            rows[-1].update({"val/loss": rows[-1]["train/loss"], "val/acc": job.val_acc})
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        if job.status == "completed" or job.in_summary:
-            status = {"status": job.status} if job.in_summary else {}
-            (run_dir / "summary.json").write_text(json.dumps({"scaler/min_scale": job.scale, **status}))
+        write_run(root / f"{num}_{','.join(f'{k}={v}' for k, v in job.overrides.items())}", job, log_every)
         if job.status != "running":
             line = {"job": num, "status": "completed" if job.in_summary else job.status}
             if job.status != "completed" and not job.in_summary:
@@ -267,6 +253,23 @@ def write_sweep(root: Path, jobs: list[FakeJob], log_every: int = 10) -> Path:
             sweep_lines.append(json.dumps(line) + "\n")
     (root / "sweep.jsonl").write_text("".join(sweep_lines))
     return root
+
+
+def write_run(run_dir: Path, job: FakeJob, log_every: int = 10) -> None:
+    """One run dir: .hydra/overrides.yaml and config.yaml, metrics.jsonl and (for a job that ended) summary.json."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"{k}={v}" for k, v in job.overrides.items()]))
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "logger": {"project": "halfprec"}}))
+    rows = [
+        {"step": log_every * (i + 1), "train/loss": loss, "scaler/scale": job.scale, "scaler/skipped_steps": 0}
+        for i, loss in enumerate(job.loss)
+    ]
+    if rows and job.status != "running" and job.logs_val:
+        rows[-1].update({"val/loss": rows[-1]["train/loss"], "val/acc": job.val_acc})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if job.status == "completed" or job.in_summary:
+        status = {"status": job.status} if job.in_summary else {}
+        (run_dir / "summary.json").write_text(json.dumps({"scaler/min_scale": job.scale, **status}))
 
 
 def decay(end: float, seed: int = 0, start: float = 2.3, steps: int = 30) -> list[float]:
@@ -482,3 +485,140 @@ def test_a_sweep_over_a_number_plots_the_final_val_loss_against_it(tmp_path):
 
     assert report(str(sweep)).returncode == 0 and (sweep / "sweep.png").is_file()
     assert numeric_sweep_key(find_jobs(write_sweep(tmp_path / "grid", grid()))) is None  # precision x scaler x seed
+
+
+def edge_markers(ax: Any, marker: str, y: float) -> list[tuple[float, str]]:
+    """(x, colour) of the unlabelled single-point markers `marker` drawn at height y (an edge of the chart)."""
+    from matplotlib.colors import to_hex
+
+    return sorted(
+        (float(line.get_xdata()[0]), to_hex(line.get_color()))
+        for line in ax.get_lines()
+        if line.get_marker() == marker and len(line.get_xdata()) == 1 and line.get_ydata()[0] == pytest.approx(y)
+    )
+
+
+def test_sweep_marks_every_job_that_did_not_complete_even_without_a_finite_value(tmp_path):
+    """Four diverged fp16 jobs: one with a finite last val/loss (a cross at it), one whose val/loss is null,
+    one that stopped before validating and one whose val/loss blew up to 1e13: the last three sit on the
+    top edge at their x with what they logged beside them, and the blow-up does not squash the chart."""
+    from matplotlib.colors import to_hex
+
+    from halfprec.tools.report import sweep_figure
+
+    ends = {"1e-3": 0.5, "1e-2": 0.4, "1e-1": 0.6}
+    jobs = [
+        FakeJob({"optim.lr": lr, "precision": precision, "seed": str(seed)}, decay(end, seed))
+        for lr, end in ends.items()
+        for precision in ("bf16", "fp16")
+        for seed in (0, 1)
+    ]
+    for num, loss in ((3, None), (7, 1.0), (10, 1e13), (11, 0.95)):  # fp16 at lr 1e-3, 1e-2, 1e-1, 1e-1
+        jobs[num].loss = [*jobs[num].loss[:-1], loss]
+        jobs[num].status = "diverged"
+    jobs[7].logs_val = False
+    fig = sweep_figure(find_jobs(write_sweep(tmp_path, jobs)), "optim.lr", "val/loss")
+    ax = fig.axes[0]
+    bottom, top = ax.get_ylim()
+    assert ax.get_yscale() == "linear" and 0.95 < top < 3  # the blow-up does not stretch the axis
+    fp16 = to_hex(drawn_lines(fig)["precision=fp16"].get_color())
+    crosses = [(line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines() if line.get_marker() == "x"]
+    assert crosses == [(0.1, pytest.approx(0.95))]
+    assert edge_markers(ax, "^", top) == [(1e-3, fp16), (1e-2, fp16), (1e-1, fp16)]
+    assert sorted(text.get_text() for text in ax.texts) == ["1e+13", "nan", "not logged"]
+    title = ax.get_title()
+    assert "x: a job that did not complete" in title and "^ on the top edge" in title
+
+
+def test_off_chart_labels_say_when_a_line_leaves_the_chart_and_whether_it_comes_back(tmp_path):
+    from matplotlib.colors import to_hex
+
+    jobs = [FakeJob({"optim.lr": lr}, decay(end)) for lr, end in (("0.01", 0.5), ("0.1", 0.1), ("0.3", 0.2))]
+    spiky = decay(0.3)
+    spiky[1:3] = [1e6, 1e6]  # steps 20 and 30: a spike it recovers from
+    spiky[5] = None  # step 60: one non-finite loss
+    spiky[20:] = [1e9] * 10  # from step 210 on, for good
+    once = decay(0.2)
+    once[3] = 1e7  # step 40 alone
+    jobs += [FakeJob({"optim.lr": "1"}, spiky), FakeJob({"optim.lr": "3"}, once)]
+    fig = line_figure(find_jobs(write_sweep(tmp_path, jobs)), "train/loss", "t")
+    ax = fig.axes[0]
+    top = ax.get_ylim()[1]
+    assert ax.get_yscale() == "linear" and top < 3  # the spikes are off the chart
+    lines = drawn_lines(fig)
+    assert "3: optim.lr=1 (off chart at steps 20-30 and from step 210; non-finite at step 60)" in lines
+    assert "4: optim.lr=3 (off chart at step 40)" in lines
+    colour = to_hex(
+        lines["3: optim.lr=1 (off chart at steps 20-30 and from step 210; non-finite at step 60)"].get_color()
+    )
+    assert [x for x, c in edge_markers(ax, "^", top) if c == colour] == [20, 210]  # where each excursion starts
+    assert [x for x, _ in edge_markers(ax, "X", top)] == [60]
+    # every label's claim holds: off the chart at the steps it names, on it at the others
+    bottom = ax.get_ylim()[0]
+    spiky_line = lines["3: optim.lr=1 (off chart at steps 20-30 and from step 210; non-finite at step 60)"]
+    steps, values = spiky_line.get_xdata(), spiky_line.get_ydata()
+    off = {int(s) for s, v in zip(steps, values) if not (math.isfinite(v) and bottom <= v <= top)}
+    assert off == {20, 30, 60, *range(210, 310, 10)}
+
+
+def test_a_std_band_on_a_log_axis_stops_at_the_lowest_seed_instead_of_the_bottom(tmp_path):
+    import numpy as np
+
+    low = decay(0.005, 0, steps=80)
+    high = [value * (30 if 20 <= i < 40 else 1) for i, value in enumerate(decay(0.005, 1, steps=80))]
+    jobs = [FakeJob({"precision": "bf16", "seed": "0"}, low), FakeJob({"precision": "bf16", "seed": "1"}, high)]
+    fig = line_figure(find_jobs(write_sweep(tmp_path, jobs)), "train/loss", "t")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    seeds = np.array([low, high])
+    mean, std = seeds.mean(axis=0), seeds.std(axis=0, ddof=1)
+    assert (mean - std <= 0).sum() >= 20  # steps 210-400: mean - std has no place on a log axis
+    (band,) = ax.collections
+    vertices = band.get_paths()[0].vertices
+    for step, lowest, upper in zip(range(10, 810, 10), seeds.min(axis=0), mean + std):
+        ys = vertices[np.isclose(vertices[:, 0], step), 1]
+        assert (ys.min(), ys.max()) == pytest.approx((lowest, upper))  # 2 seeds: mean - std is below the lower one
+    assert ax.get_ylim()[0] < seeds.min() and ax.get_ylim()[0] > seeds.min() / 3  # the data sets the bottom
+    assert "lowest seed" in ax.get_legend().get_title().get_text()
+
+
+def test_a_report_of_many_configurations_tells_every_line_apart_and_names_the_defaults(tmp_path):
+    """`halfprec report outputs/runs/<date>`: 34 configurations of three overrides, the defaults run twice."""
+    import itertools
+
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    runs = [({"precision": p, "optim.lr": f"{lr:g}"}, 0.1 + lr) for p in ("fp16", "bf16", "fp32") for lr in range(11)]
+    runs = [
+        ({**overrides, "scaler": "dynamic"} if i % 4 == 0 else overrides, end)
+        for i, (overrides, end) in enumerate(runs)
+    ]
+    runs += [({}, 0.3), ({"seed": "1"}, 0.31)]  # `python train.py` and `python train.py seed=1`
+    for i, (overrides, end) in enumerate(runs):
+        write_run(tmp_path / "2026-12-03" / f"08-{i:02d}-00.000000", FakeJob(overrides, decay(end)))
+    fig = line_figure(find_jobs(tmp_path / "2026-12-03"), "train/loss", "t")
+    lines = drawn_lines(fig)
+    assert len(lines) == 34 and "defaults: mean ± std, n=2" in lines
+    legend = fig.axes[0].get_legend()
+    assert all(text.get_text().strip() and not text.get_text().startswith(("mean", ":")) for text in legend.get_texts())
+    looks = [(line.get_linestyle(), line.get_marker()) for line in lines.values()]
+    assert len(set(zip([to_rgb(line.get_color()) for line in lines.values()], looks))) == 34
+    # lines that share a line style and marker differ clearly in colour (a colormap at 34 points did not)
+    for (look_a, a), (look_b, b) in itertools.combinations(zip(looks, lines.values()), 2):
+        if look_a == look_b:
+            assert np.linalg.norm(np.subtract(to_rgb(a.get_color()), to_rgb(b.get_color()))) > 0.2
+
+
+def test_help_and_docstring_name_every_plot_the_report_writes(capsys):
+    from halfprec.tools import report as report_module
+    from halfprec.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    doc = " ".join((report_module.__doc__ or "").split())
+    for text in (help_text, doc):
+        for name in ("report.md", "loss.png", "scale.png", "sweep.png", "attn_logits.png", "logz.png"):
+            assert name in text, (name, text)
+    assert "two plots" not in doc

@@ -19,8 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="table and plots of a run or a multirun sweep",
         description="Print a markdown table of a run or multirun sweep (one row per job: the overrides that vary, "
-        "final losses and accuracy, skipped steps, loss scale, samples/s, status) and write report.md, "
-        "loss.png and scale.png.",
+        "final losses and accuracy, skipped steps, loss scale, samples/s, status; with repeated seeds, a table "
+        "per configuration first) and write report.md and the plots: loss.png (train/loss against step), "
+        "scale.png (the loss scale, when a job has a loss scaler), sweep.png (final val/loss against a swept "
+        "number such as optim.lr) and, for a transformer with diagnostics=grads, attn_logits.png and logz.png.",
     )
     report.add_argument("path", type=Path, metavar="PATH", help="a run dir, a multirun sweep dir, or a dir of them")
     report.add_argument(

@@ -1,17 +1,22 @@
-"""`halfprec report PATH`: markdown tables and two plots for a run, a multirun sweep, or a dir of them.
+"""`halfprec report PATH`: markdown tables and plots of a run, a multirun sweep, or a dir of them.
 
 Reads what the runs left on disk (metrics.jsonl, .hydra/overrides.yaml and config.yaml, summary.json,
 the sweep's sweep.jsonl), so it works on finished, failed and still-running sweeps alike.
 
+Writes report.md (the tables), loss.png (train/loss against step), scale.png (the loss scale; only
+when a job has a loss scaler), sweep.png (final val/loss against a swept number, such as the lr) and,
+for a transformer with diagnostics=grads, attn_logits.png and logz.png; into PATH or --out.
+
 Jobs whose overrides differ in the seed alone (or not at all) form a group: one configuration run
 several times. The group table and the plots show each group as mean ± std over its completed jobs;
 the per-job table keeps every job. In the plots a group's colour comes from the value of the first
-override that varies between groups, its line style from the second.
+override that varies between groups, its line style from the second; past 20 colours, markers too.
 matplotlib, numpy and wandb are imported inside the functions that draw and upload.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -64,6 +69,17 @@ IN_RANGE = ("completed", "running", "stopped")  # stopped: by a signal, resumabl
 STATUS_ORDER = (*STATUSES, "running")  # others follow, by first appearance
 
 LINE_STYLES = ["-", "--", "-.", ":"]
+# Past 20 configurations, the markers that tell apart those sharing a colour (see palette): none of
+# ^ v X x, which mark values off the chart and jobs that did not complete.
+MARKERS = ["o", "s", "D", "P", "*", "h", "<", ">"]
+# Stretches off the chart that a line's label names (and marks) one by one, per kind; more are counted.
+SHOWN_RUNS = 3
+# The sweep plot's markers, as its title explains them.
+SWEEP_MARKS = {
+    "x": "x: a job that did not complete, at its last {metric}",
+    "^": "^ on the top edge: a final {metric} above the chart, non-finite or never logged (beside it)",
+    "v": "v on the bottom edge: a final {metric} below the chart (beside it)",
+}
 # Plots made when a job logged the key (diagnostics=grads): (key, file, title).
 LOGIT_PLOTS = (
     ("diag/attn_logit_max", "attn_logits.png", "largest attention logit"),
@@ -399,6 +415,16 @@ def has_scaler(job: Job) -> bool:
     return any(row.get("scaler/scale", 1.0) != 1.0 for row in job.rows)
 
 
+@dataclass(frozen=True)
+class Look:
+    """How a configuration's lines look: colour, line style, and a marker of its own (None: only the
+    dots a short line gets)."""
+
+    colour: Any
+    style: str = "-"
+    marker: str | None = None
+
+
 @dataclass
 class Line:
     """One line of a plot: a job's values, or the mean of a group's counted jobs with its ±std band."""
@@ -406,29 +432,31 @@ class Line:
     label: str
     steps: list[float]
     values: list[float]
-    colour: Any
-    style: str
+    look: Look
     in_range: bool  # its values may set the y-range (see IN_RANGE)
     band: tuple[list[float], list[float]] | None = None  # mean - std, mean + std
+    lowest: list[float] | None = None  # with a band: the jobs' lowest positive value at each step (see band_edges)
     width: float = 1.8
     alpha: float = 1.0
     notes: list[str] = field(default_factory=list)  # shown in brackets after the label: status, off chart
 
 
-def palette(n: int) -> list[Any]:
-    """n colours, all distinct up to 20: tab10, then tab20's light shades after its dark ones
-    (tab20 in its own order puts a light and a dark blue next to each other). More than 20 values
-    get a gradient: ordered values (numbers are sorted) still read from dark to light."""
+def palette(n: int) -> list[tuple[Any, str | None]]:
+    """n (colour, marker) pairs, all distinct up to 80. Up to 20, colours alone: tab10, then tab20's
+    light shades after its dark ones (tab20 in its own order puts a light and a dark blue next to each
+    other). Past 20, the shades of a colormap would be too close to tell apart (34 configurations read
+    as one smear): tab10's colours again, each ten with a marker of their own (MARKERS)."""
     from matplotlib import colormaps
 
     # tab10 and tab20 are ListedColormaps, whose `colors` is a tuple of RGB tuples; matplotlib types the
     # registry's entries as Colormap (no `colors`), and ListedColormap.colors as any array-like or colour
+    tab10 = colormaps["tab10"].colors  # type: ignore[attr-defined]
     if n <= 10:
-        return list(colormaps["tab10"].colors[:n])  # type: ignore[attr-defined]
+        return [(colour, None) for colour in tab10[:n]]
     if n <= 20:
         tab20 = colormaps["tab20"].colors  # type: ignore[attr-defined]
-        return list((tab20[0::2] + tab20[1::2])[:n])
-    return [colormaps["viridis"](i / (n - 1)) for i in range(n)]
+        return [(colour, None) for colour in (tab20[0::2] + tab20[1::2])[:n]]
+    return [(tab10[i % 10], MARKERS[i // 10 % len(MARKERS)]) for i in range(n)]
 
 
 def ordered_values(values: list[str | None]) -> list[str | None]:
@@ -440,12 +468,13 @@ def ordered_values(values: list[str | None]) -> list[str | None]:
         return distinct
 
 
-def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[tuple[Any, str]], str]:
-    """(colour, line style) per group, and the legend title that says what they stand for.
+def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[Look], str]:
+    """The Look of each group, and the legend title that says what they stand for.
 
     Colour by the value of the first varying key; line style by the second when it has at most four
     values (the first and second swap when only the first fits four). Three or more keys, or two
-    with many values each: a colour per group, so no two groups look alike."""
+    with many values each: a colour per group, so no two groups look alike. Past 20 colours, markers
+    tell apart the groups that share one (see palette)."""
     values = {key: ordered_values([group.overrides.get(key) for group in groups]) for key in keys}
     colour_key: str | None
     style_key: str | None
@@ -460,25 +489,34 @@ def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[tuple[Any, s
             colour_key = None
     elif len(keys) > 2:
         colour_key = None
-    colours = palette(len(values[colour_key]) if colour_key else len(groups))
+    pairs = palette(len(values[colour_key]) if colour_key else len(groups))
     looks = []
     for i, group in enumerate(groups):
-        colour = colours[values[colour_key].index(group.overrides.get(colour_key)) if colour_key else i]
+        colour, marker = pairs[values[colour_key].index(group.overrides.get(colour_key)) if colour_key else i]
         style = LINE_STYLES[values[style_key].index(group.overrides.get(style_key))] if style_key else "-"
-        looks.append((colour, style))
-    title = f"colour: {colour_key or 'each configuration'}" + (f", line: {style_key}" if style_key else "")
+        looks.append(Look(colour, style, marker))
+    by = "colour and marker" if any(look.marker for look in looks) else "colour"
+    title = f"{by}: {colour_key or 'each configuration'}" + (f", line: {style_key}" if style_key else "")
     return looks, title if len(groups) > 1 else ""  # one configuration: nothing to tell apart
 
 
-def seed_mean(jobs: list[Job], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Steps, mean, mean - std and mean + std of `key` over the jobs, at each step where any of them
-    logged it (a step some jobs did not log is over the others). A non-finite value makes its step nan."""
+def group_name(group: Group, keys: list[str]) -> str:
+    """A configuration's name in a legend: the varying overrides it sets (all of its own when none
+    vary), or "defaults" when it sets none of them, so that no line goes unnamed."""
+    shown = keys or list(group.overrides)
+    return " ".join(f"{key}={group.overrides[key]}" for key in shown if key in group.overrides) or "defaults"
+
+
+def seed_mean(jobs: list[Job], key: str) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+    """Steps, mean, mean - std, mean + std and the lowest positive value of `key` over the jobs, at
+    each step where any of them logged it (a step some jobs did not log is over the others). A
+    non-finite value makes its step nan (its lowest positive value is over the finite ones)."""
     by_step: dict[float, list[float]] = {}
     for job in jobs:
         for row in job.rows:
             if key in row:
                 by_step.setdefault(row["step"], []).append(float(row[key]))
-    steps, mean, low, high = [], [], [], []
+    steps, mean, low, high, lowest = [], [], [], [], []
     for step in sorted(by_step):
         spread_ = spread(by_step[step])
         assert spread_ is not None
@@ -487,25 +525,25 @@ def seed_mean(jobs: list[Job], key: str) -> tuple[list[float], list[float], list
         mean.append(spread_.mean)
         low.append(spread_.mean - std)
         high.append(spread_.mean + std)
-    return steps, mean, low, high
+        lowest.append(min([value for value in by_step[step] if 0 < value < math.inf], default=math.nan))
+    return steps, mean, low, high, lowest
 
 
 def job_line_label(job: Job, group: Group, label: str) -> str:
     """A job drawn on its own: its id, its group's label, and its seed when the group has others."""
     seeds = [f"{key}={value}" for key, value in job.overrides.items() if is_seed(key) and len(group.jobs) > 1]
-    return " ".join(part for part in [f"{job.id}:", label, *seeds] if part).removesuffix(":")
+    return " ".join([f"{job.id}:", label, *seeds])
 
 
-def group_lines(group: Group, key: str, label: str, look: tuple[Any, str]) -> list[Line]:
+def group_lines(group: Group, key: str, label: str, look: Look) -> list[Line]:
     """The group's mean line over its counted jobs that logged `key` (two or more), then a line for
     each other job: one counted job alone, or one that failed, diverged or is still running."""
-    colour, style = look
     counted = [job for job in group.counted if any(key in row for row in job.rows)]
     lines, alone = [], group.jobs
     if len(counted) >= 2:
-        steps, mean, low, high = seed_mean(counted, key)
-        text = f"{label}: mean ± std, n={len(counted)}" if label else f"mean ± std, n={len(counted)}"
-        lines.append(Line(text, steps, mean, colour, style, True, (low, high)))
+        steps, mean, low, high, lowest = seed_mean(counted, key)
+        text = f"{label}: mean ± std, n={len(counted)}"
+        lines.append(Line(text, steps, mean, look, True, (low, high), lowest))
         alone = [job for job in group.jobs if job not in counted]
     for job in alone:
         points = [(row["step"], float(row[key])) for row in job.rows if key in row]
@@ -514,7 +552,7 @@ def group_lines(group: Group, key: str, label: str, look: tuple[Any, str]) -> li
             text, in_range = job_line_label(job, group, label), job.status in IN_RANGE
             width = 1.8 if job.status == COUNTED else 1.2  # thinner: not part of the group's result
             notes = [job.status] if job.status != "completed" else []
-            lines.append(Line(text, steps, values, colour, style, in_range, width=width, notes=notes))
+            lines.append(Line(text, steps, values, look, in_range, width=width, notes=notes))
     return lines
 
 
@@ -525,17 +563,29 @@ def plot_data(jobs: list[Job], key: str) -> tuple[list[Line], str]:
     looks, title = group_looks(groups, keys)
     lines = []
     for group, look in zip(groups, looks):
-        label = " ".join(f"{k}={group.overrides[k]}" for k in keys if k in group.overrides)
-        lines += group_lines(group, key, label, look)
+        lines += group_lines(group, key, group_name(group, keys), look)
     if any(line.band for line in lines):
         title = "\n".join(filter(None, [title, "bands: ±std over completed seeds"]))
     return lines, title
 
 
-def extent(line: Line, positive: bool = False) -> list[float]:
+def band_edges(line: Line, log: bool) -> tuple[list[float], list[float]]:
+    """The band's lower and upper edges (mean ∓ std). On a log axis the lower edge stops at the
+    group's lowest value at that step: mean - std may be 0 or below (the band would fill down to the
+    bottom of the axes), and even above 0 it can lie decades below every seed, a spread no seed shows."""
+    assert line.band is not None and line.lowest is not None
+    low, high = line.band
+    if log:  # a nan `lowest` (no positive value at the step) compares false and leaves the edge as it was
+        low = [lowest if edge < lowest else edge for edge, lowest in zip(low, line.lowest)]
+    return low, high
+
+
+def extent(line: Line, positive: bool = False, log: bool = False) -> list[float]:
     """The finite values the line draws, its band's edges included (only those above 0 when
-    `positive`: a wide band can reach below 0 while the mean stays positive, as on a log axis)."""
-    band = [edge for edge in (line.band[0] + line.band[1] if line.band else []) if edge > 0 or not positive]
+    `positive`: a wide band can reach below 0 while the mean stays positive; `log`: the edges a log
+    axis draws, see band_edges)."""
+    edges = band_edges(line, log) if line.band else ([], [])
+    band = [edge for edge in edges[0] + edges[1] if edge > 0 or not positive]
     return [value for value in [*line.values, *band] if math.isfinite(value)]
 
 
@@ -552,30 +602,86 @@ def y_range(lines: list[Line], log2_y: bool, whole: bool = False) -> tuple[float
         to, back = math.log10, (lambda x: 10.0**x)
     else:
         to, back = float, float
-    extents = [[to(value) for value in extent(line, positive)] for line in candidates]
+    # bands as a log axis would draw them: a band's lower edge far below its seeds would pick a log axis
+    extents = [[to(value) for value in extent(line, positive, log=positive)] for line in candidates]
     highs = [max(values) for values in extents]
     low = min(min(values) for values in extents)
     typical = statistics.median(highs)
     fence = typical + FAR * max(typical - low, 1.0 if positive else abs(typical) * 0.1 or 1e-12)
-    kept = [values for values, high in zip(extents, highs) if log2_y or whole or high <= fence] or extents
-    bottom, top = min(min(values) for values in kept), max(max(values) for values in kept)
+    kept = [i for i, high in enumerate(highs) if log2_y or whole or high <= fence] or list(range(len(extents)))
+    bottom, top = min(min(extents[i]) for i in kept), max(max(extents[i]) for i in kept)
     if log2_y or (positive and top - bottom > 2):
         margin = 0.05 * (top - bottom or 1.0)  # in decades
         return back(bottom - margin), back(top + margin), "log2" if log2_y else "log"
-    bottom, top = back(bottom), back(top)
+    values = [value for i in kept for value in extent(candidates[i], positive)]  # linear: the whole band
+    bottom, top = min(values), max(values)
     margin = 0.05 * (top - bottom) or max(abs(top) * 0.05, 1e-6)
     return bottom - margin, top + margin, "linear"
 
 
-def leaves_chart(line: Line, bottom: float, top: float) -> tuple[int, str] | None:
-    """Where the line first leaves the chart: (index, "off chart") above or below it, (index,
-    "non-finite") at a value logged as inf or nan (which draws as a gap)."""
+def off_chart_runs(line: Line, bottom: float, top: float) -> list[tuple[int, int, str]]:
+    """Each stretch of consecutive points off the chart: (first index, last index, why), why "off
+    chart" (above or below it) or "non-finite" (a value logged as inf or nan, which draws as a gap)."""
+    runs: list[tuple[int, int, str]] = []
     for i, value in enumerate(line.values):
-        if not math.isfinite(value):
-            return i, "non-finite"
-        if not bottom <= value <= top:
-            return i, "off chart"
-    return None
+        why = "non-finite" if not math.isfinite(value) else None if bottom <= value <= top else "off chart"
+        if why is None:
+            continue
+        if runs and runs[-1][1] == i - 1 and runs[-1][2] == why:
+            runs[-1] = (runs[-1][0], i, why)
+        else:
+            runs.append((i, i, why))
+    return runs
+
+
+def step_text(step: float) -> str:
+    return str(int(step)) if float(step).is_integer() else f"{step:g}"
+
+
+def at_steps(line: Line, runs: list[tuple[int, int, str]], more: int) -> str:
+    """The stretches a line comes back from, as its label names them: "at step 40", "at steps 20-30, 60 (+2 more)"."""
+    texts = [step_text(line.steps[a]) + (f"-{step_text(line.steps[b])}" if b > a else "") for a, b, _ in runs]
+    plural = len(runs) > 1 or runs[0][1] > runs[0][0]
+    return f"at step{'s' if plural else ''} {', '.join(texts)}" + (f" (+{more} more)" if more else "")
+
+
+def edge_marker(ax: Any, x: float, y: float, marker: str, text: str, colour: Any, above: bool = True) -> None:
+    """A marker on the chart's edge at x (drawn over the axes' border) with `text` beside it, inside the chart."""
+    ax.plot([x], [y], marker=marker, markersize=9, color=colour, clip_on=False, zorder=5, linestyle="none")
+    offset = (5, -11 if above else 4)  # points: inside the chart, beside the marker
+    ax.annotate(text, (x, y), xytext=offset, textcoords="offset points", fontsize=7, color=colour)
+
+
+def mark_stretch(ax: Any, line: Line, run: tuple[int, int, str], bottom: float, top: float) -> None:
+    """A marker where a stretch off the chart starts, on the edge it crosses, with the value furthest
+    out beside it (an X on the top edge for a non-finite value, with the value: nan or inf)."""
+    first, last, why = run
+    values = line.values[first : last + 1]
+    above = why == "non-finite" or values[0] > top
+    value = values[0] if why == "non-finite" else max(values) if above else min(values)
+    marker = "X" if why == "non-finite" else "^" if above else "v"
+    edge_marker(ax, line.steps[first], top if above else bottom, marker, f"{value:.3g}", line.look.colour, above)
+
+
+def mark_off_chart(ax: Any, line: Line, bottom: float, top: float) -> str | None:
+    """Mark each stretch of the line off the chart (the first SHOWN_RUNS of each kind, and one that
+    lasts to the end) and return what its label says of them: "off chart from step 110" only for a
+    line that stays off to its end, "off chart at steps 20-30, 60" for one that comes back; None
+    when the line stays on the chart."""
+    runs = off_chart_runs(line, bottom, top)
+    notes = []
+    for why in dict.fromkeys(run[2] for run in runs):
+        mine = [run for run in runs if run[2] == why]
+        last = mine[-1]
+        for_good = mine.pop() if last[1] == len(line.values) - 1 and last[1] > last[0] else None
+        shown = mine[:SHOWN_RUNS]
+        for run in [*shown, *([for_good] if for_good else [])]:
+            mark_stretch(ax, line, run, bottom, top)
+        parts = [at_steps(line, shown, len(mine) - len(shown))] if mine else []
+        if for_good:
+            parts.append(f"from step {step_text(line.steps[for_good[0]])}")
+        notes.append(f"{why} {' and '.join(parts)}")
+    return "; ".join(notes) or None
 
 
 def stack_coinciding(lines: list[Line], scale: str, bottom: float, top: float) -> None:
@@ -603,46 +709,38 @@ def stack_coinciding(lines: list[Line], scale: str, bottom: float, top: float) -
             line.width, line.alpha = line.width + 1.6 * later, 0.55
 
 
-def mark_leaving(ax: Any, line: Line, bottom: float, top: float) -> str | None:
-    """Mark where the line first leaves the chart: a triangle on the edge it crosses, with the value
-    next to it (an X on the top edge for a non-finite value); return the note for its label."""
-    left = leaves_chart(line, bottom, top)
-    if left is None:
-        return None
-    i, why = left
-    step, value = line.steps[i], line.values[i]
-    above = not math.isfinite(value) or value > top
-    edge = top if above else bottom
-    marker = "X" if why == "non-finite" else ("^" if above else "v")
-    ax.plot([step], [edge], marker=marker, markersize=9, color=line.colour, clip_on=False, zorder=5, linestyle="none")
-    offset = (5, -11 if above else 4)  # points: inside the chart, beside the marker
-    ax.annotate(f"{value:.3g}", (step, edge), xytext=offset, textcoords="offset points", fontsize=7, color=line.colour)
-    return f"{why} from step {step}"
+def beyond(bottom: float, top: float, scale: str) -> tuple[float, float]:
+    """Where values off the chart are clipped to: just beyond it, so that a line visibly runs off the
+    edge (and its far-out values do not overflow the drawing)."""
+    if scale == "linear":
+        return bottom - (top - bottom), top + (top - bottom)
+    return bottom / 10, top * 10
 
 
 def draw_line(ax: Any, line: Line, bottom: float, top: float, scale: str) -> Any:
     """Draw one line (and its band); return its legend handle. Values far outside the chart are
-    clipped to just beyond it, so that the line visibly runs off the edge; where it first leaves,
-    a marker on the edge (with the value) shows it, and its label says from which step."""
+    clipped to just beyond it; each stretch off the chart is marked on the edge (see mark_off_chart)
+    and its label says at which steps."""
     import numpy as np
     from matplotlib.patches import Patch
 
-    if scale == "linear":
-        lo, hi = bottom - (top - bottom), top + (top - bottom)
-    else:
-        lo, hi = bottom / 10, top * 10
+    lo, hi = beyond(bottom, top, scale)
     values = np.clip(np.asarray(line.values, dtype=float), lo, hi)  # nan stays nan: a gap
-    notes = [*line.notes, *filter(None, [mark_leaving(ax, line, bottom, top)])]
+    notes = [*line.notes, *filter(None, [mark_off_chart(ax, line, bottom, top)])]
     label = line.label + (f" ({'; '.join(notes)})" if notes else "")
-    marker = "o" if len(values) <= 20 else None
-    style = {"color": line.colour, "alpha": line.alpha, "linewidth": line.width, "marker": marker, "markersize": 3}
-    (drawn,) = ax.plot(line.steps, values, line.style, **style)
+    look = line.look
+    # a marker of its own (many configurations) every few points; dots on every point of a short line
+    marker = look.marker or ("o" if len(values) <= 20 else None)
+    every = 1 if len(values) <= 20 else max(1, len(values) // 12)
+    size = 3 if look.marker is None else 5
+    style = {"color": look.colour, "alpha": line.alpha, "linewidth": line.width, "marker": marker, "markersize": size}
+    (drawn,) = ax.plot(line.steps, values, look.style, markevery=every, **style)
     drawn.set_label(textwrap.fill(label, 52))  # long labels would make the legend wider than the plot
     if line.band is None:
         return drawn
-    low, high = (np.clip(np.asarray(edge, dtype=float), lo, hi) for edge in line.band)
-    ax.fill_between(line.steps, low, high, color=line.colour, alpha=0.18, linewidth=0)
-    return (Patch(facecolor=line.colour, alpha=0.18), drawn)
+    low, high = (np.clip(np.asarray(edge, dtype=float), lo, hi) for edge in band_edges(line, scale != "linear"))
+    ax.fill_between(line.steps, low, high, color=look.colour, alpha=0.18, linewidth=0)
+    return (Patch(facecolor=look.colour, alpha=0.18), drawn)
 
 
 def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False, whole: bool = False) -> Any:
@@ -656,6 +754,8 @@ def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False, who
     if not any(extent(line) for line in lines):
         return None
     bottom, top, scale = y_range(lines, log2_y, whole)
+    if scale != "linear" and any(line.band for line in lines):
+        legend_title += "\n(log axis: a band's lower edge stops at the lowest seed)"
     stack_coinciding(lines, scale, bottom, top)
     # the legend grows with the lines (and their wrapped labels); the figure grows with it
     label_rows = sum(1 + len(line.label) // 52 for line in lines) + 2
@@ -713,39 +813,93 @@ def numeric_sweep_key(jobs: list[Job]) -> str | None:
     return keys[0] if len(keys) == 1 else None
 
 
+SweepPoints = tuple[dict[float, float], list[tuple[float, float | None]]]
+
+
+def sweep_points(config: Group, key: str, metric: str) -> SweepPoints:
+    """The configuration's mean final `metric` at each value of `key`, over its completed jobs with a
+    finite one; and (x, final value) of each other job (None: never logged): one that did not
+    complete, or (in a sweep from before the "diverged" status) completed with a non-finite value."""
+    by_x: dict[float, list[float]] = {}
+    rest = []
+    for job in config.jobs:
+        x, value = float(job.overrides[key]), final(job.rows, metric)
+        if job.status == COUNTED and value is not None and math.isfinite(value):
+            by_x.setdefault(x, []).append(value)
+        else:
+            rest.append((x, value))
+    return {x: statistics.fmean(by_x[x]) for x in sorted(by_x)}, rest
+
+
+def sweep_range(points: list[SweepPoints]) -> tuple[float, float, str]:
+    """The sweep plot's y-range, as a line plot's (see y_range): a blow-up to 1e13 is left out of it."""
+    lines = [Line("", list(means), list(means.values()), Look(None), True) for means, _ in points]
+    lines += [Line("", [x], [value], Look(None), True) for _, rest in points for x, value in rest if value is not None]
+    if not any(extent(line) for line in lines):  # not one finite value: only markers on the top edge
+        return 0.0, 1.0, "linear"
+    bottom, top, scale = y_range(lines, False)
+    # headroom: the markers on the top edge and the values beside them would cover the highest point
+    if scale == "linear":
+        return bottom, top + 0.1 * (top - bottom), scale
+    return bottom, top * (top / bottom) ** 0.1, scale
+
+
+def draw_sweep_config(ax: Any, points: SweepPoints, look: Look, label: str, bottom: float, top: float) -> set[str]:
+    """A configuration's line of means and its other jobs: a cross at a final value on the chart, a
+    marker on the edge otherwise, with what it logged beside it (counted at the same x: "nan ×2").
+    Returns the kinds of marker drawn ("x", "^", "v") for the title to explain."""
+    means, rest = points
+    lo, hi = beyond(bottom, top, ax.get_yscale())  # the y scale is set before the points are drawn
+    shown = [min(max(mean, lo), hi) for mean in means.values()]  # clipped: the line runs off the edge
+    ax.plot(list(means), shown, look.style, color=look.colour, marker=look.marker or "o", label=label)
+    off: dict[tuple[float, bool], list[str]] = {}  # (x, above) -> texts
+    for x, mean in means.items():
+        if not bottom <= mean <= top:
+            off.setdefault((x, mean > top), []).append(f"mean {mean:.3g}")
+    kinds = set()
+    for x, value in rest:
+        if value is not None and math.isfinite(value) and bottom <= value <= top:
+            ax.plot(x, value, "x", color=look.colour, markersize=9)
+            kinds.add("x")
+        else:  # off the chart (on the edge it lies beyond), or no finite value at all (on the top edge)
+            text = "not logged" if value is None else f"{value:.3g}"
+            off.setdefault((x, value is None or not value < top), []).append(text)
+    for (x, above), texts in off.items():
+        counted = ", ".join(t if n == 1 else f"{t} ×{n}" for t, n in collections.Counter(texts).items())
+        edge_marker(ax, x, top if above else bottom, "^" if above else "v", counted, look.colour, above)
+        kinds.add("^" if above else "v")
+    return kinds
+
+
 def sweep_figure(jobs: list[Job], key: str, metric: str) -> Any:
     """The Figure of each job's final `metric` against the value of `key`: a line per configuration of
     the other overrides (seeds averaged over the completed jobs), a cross for a job that did not
-    complete, at its last value. Wortsman et al.'s plot of final loss against learning rate."""
+    complete at its last value, and every job with no final value on the chart (non-finite, never
+    logged, or above it) on the edge at its x. Wortsman et al.'s plot of final loss against learning rate."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     others = [k for k in shown_overrides(jobs) if k != key and not is_seed(k)]
     configs = group_jobs(jobs, leave_out=(key,))
     looks, legend_title = group_looks(configs, others)
+    points = [sweep_points(config, key, metric) for config in configs]
+    bottom, top, scale = sweep_range(points)
     fig = Figure(figsize=(9, 5), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for config, (colour, style) in zip(configs, looks):
-        by_x: dict[float, list[float]] = {}
-        for job in config.counted:
-            value = final(job.rows, metric)
-            if value is not None and math.isfinite(value):
-                by_x.setdefault(float(job.overrides[key]), []).append(value)
-        xs = sorted(by_x)
-        label = " ".join(f"{k}={config.overrides[k]}" for k in others if k in config.overrides) or "defaults"
-        ax.plot(xs, [statistics.fmean(by_x[x]) for x in xs], style, color=colour, marker="o", label=label)
-        for job in config.jobs:
-            value = final(job.rows, metric)
-            if job.status != COUNTED and value is not None and math.isfinite(value):
-                ax.plot(float(job.overrides[key]), value, "x", color=colour, markersize=9)
+    if scale == "log":
+        ax.set_yscale("log")
+    ax.set_ylim(bottom, top)
+    kinds: set[str] = set()
+    for config, look, config_points in zip(configs, looks, points):
+        kinds |= draw_sweep_config(ax, config_points, look, group_name(config, others), bottom, top)
     values = [float(job.overrides[key]) for job in jobs]
     if min(values) > 0 and max(values) / min(values) >= 100:
         ax.set_xscale("log")
     ax.set_xlabel(key)
     ax.set_ylabel(f"final {metric}")
-    unfinished = " (x: a job that did not complete)" if any(job.status != COUNTED for job in jobs) else ""
-    ax.set_title(f"final {metric} against {key}{unfinished}")
+    explained = [SWEEP_MARKS[kind].format(metric=metric) for kind in ("x", "^", "v") if kind in kinds]
+    ax.set_title("\n".join([f"final {metric} against {key}", *explained]), fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", title=legend_title or None, title_fontsize="small")
     return fig
