@@ -16,6 +16,14 @@ It replaces halfprec -> myproj, HALFPREC -> MYPROJ (the HALFPREC_DATA variable) 
 Halfprec -> Myproj (class names; my_proj gives MyProj), and moves the package with `git mv`,
 so `git status` shows a rename. Nothing is committed: review with `git diff`, then commit.
 Standard library only, and it does not import the package, which it is about to move.
+
+Two things besides, so that the tree passes CI and pip forgets the old name:
+- `ruff format` and `ruff check --fix` on the Python files it changed, when ruff is installed (a
+  dev dependency): a name of another length moves line breaks, and CI runs `ruff format --check .`.
+  Lines a longer name pushed over the line limit are listed: ruff cannot shorten a string or a comment.
+- it removes src/halfprec.egg-info, setuptools' git-ignored metadata of the old install: an editable
+  install puts src/ on sys.path, where pip and importlib.metadata would go on reading it as an
+  installed `halfprec` after the reinstall under the new name.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import importlib.util
 import keyword
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +117,50 @@ def renamed_text(path: Path, subs: dict[str, str]) -> bytes | None:
     return new_text.encode("utf-8") if new_text != text else None
 
 
+def stale_egg_info() -> Path | None:
+    """src/<old>.egg-info when setuptools left one there and git does not track it: metadata of the
+    old install, which `pip install -e .` under the new name neither uses nor removes."""
+    path = ROOT / "src" / f"{OLD}.egg-info"
+    if not path.is_dir() or git("ls-files", "--", str(path.relative_to(ROOT))).strip():
+        return None
+    return path
+
+
+NO_RUFF = "ruff not found: run `ruff format .` and `ruff check .` (CI runs both) once it is installed"
+
+
+def ruff_command() -> list[str] | None:
+    """This environment's ruff (a dev dependency, the one pre-commit and CI run); None without one."""
+    if importlib.util.find_spec("ruff") is not None:
+        return [sys.executable, "-m", "ruff"]
+    found = shutil.which("ruff")
+    return [found] if found else None
+
+
+def tidy(paths: list[Path]) -> list[str]:
+    """`ruff format`, then `ruff check --fix`, on the renamed Python files; the lines to print: what
+    ran, and what ruff still finds (a string or comment a longer name made too long)."""
+    ruff = ruff_command()
+    if ruff is None:
+        return [NO_RUFF]
+    if not paths:  # ruff with no paths would take the whole tree
+        return []
+    names = [str(p.relative_to(ROOT)) for p in paths]
+    # --force-exclude: files named on the command line still obey the project's exclude settings
+    check = (*ruff, "check", "--fix", "--force-exclude", "--quiet", "--output-format", "concise")
+    ruff_run = [(*ruff, "format", "--force-exclude", "--quiet"), check]
+    done = [subprocess.run([*args, *names], cwd=ROOT, capture_output=True, text=True) for args in ruff_run]
+    if done[0].returncode != 0:
+        detail = (done[0].stderr.strip().splitlines() or ["failed"])[0]
+        return [f"ruff format failed ({detail}): run `ruff format .` and `ruff check .` by hand"]
+    lines = [f"formatted the {len(names)} changed Python files (ruff format; ruff check --fix)"]
+    if done[1].returncode != 0:  # 1: findings it could not fix (stdout); 2: ruff itself failed (stderr)
+        left = [line for line in (done[1].stdout or done[1].stderr).splitlines() if line.strip()]
+        lines.append("ruff check still finds these in them (lines a longer name made too long: shorten them):")
+        lines += [f"  {line}" for line in left]
+    return lines
+
+
 def rename(new: str, dry_run: bool) -> None:
     check_name(new)
     check_checkout(new)
@@ -115,21 +168,36 @@ def rename(new: str, dry_run: bool) -> None:
     changes = {p: data for p in tracked_files() if (data := renamed_text(p, subs)) is not None}
     relative = sorted(str(p.relative_to(ROOT)) for p in changes)
     move = f"src/{OLD} -> src/{new}"
+    egg_info = stale_egg_info()
+    python = sum(p.suffix in (".py", ".pyi") for p in changes)
     if dry_run:
         print(f"would change {len(changes)} files:")
         print("\n".join(f"  {name}" for name in relative))
         print(f"would move {move} (git mv)")
+        tidying = f"would run ruff format and ruff check --fix on the {python} changed Python files"
+        print(tidying if ruff_command() else NO_RUFF)
+        if egg_info:
+            print(f"would remove src/{egg_info.name} (git-ignored metadata of the old install)")
         return
     # move first: if git refuses, nothing has been rewritten yet
     git("mv", f"src/{OLD}", f"src/{new}")
     old_dir, new_dir = ROOT / "src" / OLD, ROOT / "src" / new
+    written = []
     for path, data in changes.items():
         if path.is_relative_to(old_dir):
             path = new_dir / path.relative_to(old_dir)
         path.write_bytes(data)
+        written.append(path)
     print(f"changed {len(changes)} files ({', '.join(subs)} -> {', '.join(subs.values())})")
     print(f"moved {move} (git mv; `git status` shows the rename, nothing is committed)")
-    print(f'next: pip uninstall -y {OLD}; pip install -e ".[dev]"  (then review `git diff` and commit)')
+    for line in tidy([p for p in written if p.suffix in (".py", ".pyi")]):
+        print(line)
+    if egg_info:
+        shutil.rmtree(egg_info)
+        print(f"removed src/{egg_info.name}: pip would go on listing {OLD} from it (the reinstall does not need it)")
+    # the old install's record in site-packages stays until pip uninstalls it by its old name
+    uninstall = f"pip uninstall -y {OLD} (its install stays listed otherwise)"
+    print(f'next: {uninstall}; pip install -e ".[dev]"  (then review `git diff` and commit)')
 
 
 def main(argv: list[str] | None = None) -> int:

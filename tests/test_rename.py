@@ -9,6 +9,7 @@ rename this file still makes sense (and skips: there is nothing left to rename).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -141,12 +142,73 @@ def test_rename_in_a_copy(tmp_path):
 
 def test_dry_run_lists_and_changes_nothing(tmp_path):
     repo = make_template(tmp_path)
+    egg_info = add_egg_info(repo)
     result = rename(repo, NEW, "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "  pyproject.toml\n" in result.stdout and f"  src/{OLD}/training/run.py\n" in result.stdout
     assert "docs/blob.bin" not in result.stdout and "scripts/rename.py" not in result.stdout
     assert f"would move src/{OLD} -> src/{NEW}" in result.stdout
+    assert f"would remove src/{OLD}.egg-info" in result.stdout and egg_info.is_dir()
     assert git(repo, "status", "--porcelain") == ""
+
+
+def add_egg_info(repo: Path) -> Path:
+    """What `pip install -e .` of the template may leave in src/ (git-ignored): its metadata."""
+    egg_info = repo / "src" / f"{OLD}.egg-info"
+    egg_info.mkdir()
+    (egg_info / "PKG-INFO").write_text(f"Metadata-Version: 2.1\nName: {OLD}\nVersion: 0.1.0\n")
+    (egg_info / "top_level.txt").write_text(f"{OLD}\n")
+    return egg_info
+
+
+def installed_names(src: Path) -> set[str]:
+    """The distributions pip and importlib.metadata find in src/, which an editable install puts on sys.path."""
+    return {dist.metadata["Name"] for dist in importlib.metadata.distributions(path=[str(src)])}
+
+
+def test_the_old_install_metadata_goes_so_that_only_the_new_name_is_listed(tmp_path):
+    repo = make_template(tmp_path)
+    add_egg_info(repo)
+    assert installed_names(repo / "src") == {OLD}
+    result = rename(repo, NEW)
+    assert result.returncode == 0, result.stderr
+    assert installed_names(repo / "src") == set()  # `pip install -e .` adds the new name, in site-packages
+    assert f"removed src/{OLD}.egg-info" in result.stdout and f"pip uninstall -y {OLD}" in result.stdout
+    assert git(repo, "status", "--porcelain", "--ignored", "src").count(".egg-info") == 0
+
+
+needs_ruff = pytest.mark.skipif(
+    importlib.util.find_spec("ruff") is None and shutil.which("ruff") is None, reason="ruff not installed"
+)
+
+
+def ruff(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "ruff"] if importlib.util.find_spec("ruff") else ["ruff"]
+    return run([*command, *args], repo)
+
+
+@needs_ruff
+def test_the_renamed_tree_passes_ruff_as_ci_runs_it(tmp_path):
+    repo = make_template(tmp_path)
+    result = rename(repo, NEW)  # shorter than the old name: ruff format joins lines again
+    assert result.returncode == 0, result.stderr
+    for args in (["check", "."], ["format", "--check", "."]):
+        checked = ruff(repo, *args)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "formatted the " in result.stdout and "ruff check still finds" not in result.stdout
+
+
+@needs_ruff
+def test_a_longer_name_lists_the_lines_ruff_cannot_shorten(tmp_path):
+    repo = make_template(tmp_path)
+    longer = "a_much_longer_project_name"
+    result = rename(repo, longer)
+    assert result.returncode == 0, result.stderr
+    assert ruff(repo, "format", "--check", ".").returncode == 0
+    left = ruff(repo, "check", ".", "--quiet", "--output-format", "concise").stdout.splitlines()
+    assert left and all("E501" in line for line in left)  # strings and comments over the line limit
+    assert "ruff check still finds these in them" in result.stdout
+    assert all(f"  {line}\n" in result.stdout for line in left)
 
 
 @pytest.fixture(scope="module")
