@@ -10,8 +10,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from halfprec.config import validate
+from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
-from halfprec.launch.exits import job_errors, run_cli
+from halfprec.launch.exits import in_sweep, job_errors, run_cli
+from halfprec.launch.objective import register_resolvers, sweep_value
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -21,8 +23,13 @@ def main(cfg: DictConfig) -> float:
         validate(cfg)  # a bad value fails before any data or model is built
         from halfprec.training.run import run
 
-        summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    return summary[cfg.objective]  # the sweep metric (hparams_search=optuna maximizes val/acc)
+        try:
+            summary = run(cfg, HydraConfig.get().runtime.output_dir)
+        except TrainingAborted:
+            if not in_sweep():
+                raise
+            summary = None  # diverged: a result for the sweep (recorded as diverged), the worst for a search
+    return sweep_value(cfg, summary)  # the objective, for a sweeper (hparams_search=optuna)
 
 
 if __name__ == "__main__":
@@ -30,5 +37,6 @@ if __name__ == "__main__":
         # torchrun: rank 0's Hydra run dir is the run's (shared with the others after the process
         # group is up); the other ranks get a scratch dir so that no stray run dirs appear
         sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='halfprec-rank-')}", "hydra.output_subdir=null"]
-    # every way a run or sweep ends becomes an exit code and one line (halfprec/exits.py)
+    register_resolvers()  # ${halfprec.direction:...} in conf/hparams_search/optuna.yaml
+    # every way a run or sweep ends becomes an exit code and one line (halfprec/launch/exits.py)
     sys.exit(run_cli(main, Path(__file__).resolve().parent / "conf", sys.argv[1:]))

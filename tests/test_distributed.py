@@ -269,7 +269,7 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from halfprec.components.data import make_synthetic
-    from halfprec.components.tasks import Classification
+    from halfprec.components.tasks.classification import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.distributed import World
     from halfprec.training.metrics import evaluate
@@ -292,7 +292,7 @@ def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_stat
     # 15 samples: rank 0 takes 8, rank 1 7 and one padding sample; the sums over both equal one
     # process's evaluation of the whole set with rank 0's model (statistics included)
     from halfprec.components.data import make_synthetic
-    from halfprec.components.tasks import Classification
+    from halfprec.components.tasks.classification import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.metrics import evaluate
 

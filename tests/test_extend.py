@@ -64,9 +64,10 @@ def fork(tmp_path_factory) -> Path:
     return root
 
 
-def train(fork: Path, *overrides: str) -> subprocess.CompletedProcess:
+def train(fork: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(fork / "src"), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, str(fork / "train.py"), "logger=none", "trainer.progress=false", "trainer.max_steps=5"]
+    args = [sys.executable, str(fork / "train.py"), *(["-m"] if multirun else [])]
+    args += ["logger=none", "trainer.progress=false", "trainer.max_steps=5"]
     return subprocess.run([*args, *overrides], cwd=fork, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -89,3 +90,72 @@ def test_a_model_is_one_file_plus_a_yaml(fork):
     bad = train(fork, "model=tiny_cnn", "model.channels=0", "hydra.run.dir=runs/bad")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: model.channels=0: must be an integer >= 1 (conv channels)"
+
+
+# A task: one file in components/tasks/ (registered when the package is imported) and a YAML. Its
+# metrics are the one list the objective, sweep.jsonl and the report's columns read.
+MY_TASK = '''"""The digit's value as a number: the expected class under the softmax, squared error against the label."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from halfprec.components.data import IGNORE_LABEL, Dataset
+from halfprec.components.tasks import Evaluator, Metric, Task, register_task
+
+
+def value(output: torch.Tensor) -> torch.Tensor:
+    classes = torch.arange(output.shape[-1], device=output.device, dtype=torch.float32)
+    return output.float().softmax(-1) @ classes
+
+
+class SquaredError(Evaluator):
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device, dtype=torch.float64)
+
+    def add(self, output: torch.Tensor, targets: torch.Tensor) -> None:
+        kept = targets != IGNORE_LABEL
+        self.total += ((value(output) - targets.float())[kept] ** 2).sum()
+
+    def sums(self) -> torch.Tensor:
+        return self.total.reshape(1)
+
+    def metrics(self, sums: list[float], n: int) -> dict[str, float]:
+        return {"val/loss": sums[0] / n, "val/mse": sums[0] / n}
+
+
+@register_task
+class DigitValue(Task):
+    name = "digit_value"
+    metrics = (Metric("val/loss"), Metric("val/mse"))
+    objective = "val/mse"
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(value(output), targets.float())
+
+    def evaluator(self, device: torch.device, data: Dataset) -> Evaluator:
+        return SquaredError(device)
+'''
+
+
+def test_a_task_is_one_file_plus_a_yaml_and_its_metrics_reach_sweeps_and_reports(fork):
+    (fork / "src" / "halfprec" / "components" / "tasks" / "digit_value.py").write_text(MY_TASK)
+    (fork / "conf" / "task" / "digit_value.yaml").write_text("# the digit's value as a number\nname: digit_value\n")
+    result = train(fork, "task=digit_value", "seed=0,1", "hydra.sweep.dir=runs/task", multirun=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (fork / "runs" / "task" / "sweep.jsonl").read_text().splitlines()]
+    assert [line["status"] for line in lines] == ["completed", "completed"]
+    assert all(0 <= line["val/mse"] < 10 for line in lines)  # recorded, as the task's own metric
+    # objective=null is the task's val/mse; a name the task does not report is refused with its list
+    assert train(fork, "task=digit_value", "objective=val/mse", "hydra.run.dir=runs/mse").returncode == 0
+    bad = train(fork, "task=digit_value", "objective=val/acc", "hydra.run.dir=runs/acc")
+    assert bad.stderr.strip() == (
+        "error: objective=val/acc: task=digit_value reports val/loss, val/mse and train/loss (null: val/mse)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(fork / "src")}
+    report = subprocess.run([sys.executable, "-m", "halfprec.tools.cli", "report", str(fork / "runs" / "task")],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert report.returncode == 0, report.stderr[-3000:]
+    header = next(line for line in report.stdout.splitlines() if line.startswith("| job"))
+    assert "| val/mse |" in header and "val/acc" not in header

@@ -13,7 +13,7 @@ from test_resume import without_perf
 
 from halfprec.components.data import IGNORE_LABEL, eval_batches
 from halfprec.components.models.gpt import GPT, create_gpt
-from halfprec.components.tasks import LanguageModelling
+from halfprec.components.tasks.lm import LanguageModelling
 from halfprec.components.text import load_pydoc, load_text, load_tokens
 from halfprec.errors import ConfigError
 from halfprec.training.run import run

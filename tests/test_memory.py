@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from halfprec.components.tasks import Classification
+from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.params import build_params
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.tools.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from halfprec.components.tasks import Classification, Task
+from halfprec.components.tasks import Task
+from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.params import build_params
 from halfprec.numerics.policy import PrecisionMismatch, PrecisionPolicy, observe_compute_dtypes
 from halfprec.numerics.rounding import stochastic_round_to_bf16

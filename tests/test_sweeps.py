@@ -29,6 +29,19 @@ def started(cli):
         "optuna": cli.submit(
             "hparams_search=optuna", "hydra.sweeper.n_trials=3", "logger=none", "model.hidden=[16]", multirun=True
         ),
+        "optuna_diverging": cli.submit(
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=4",
+            "optim.lr=choice(1e6,0.1)",
+            "accum=1",
+            "precision=fp32",
+            "scaler.init_scale=1024",
+            "logger=none",
+            "trainer.max_steps=100",
+            "trainer.progress=false",
+            cheap=False,
+            multirun=True,
+        ),
         "diverging": cli.submit(
             "optim.lr=1e6,0.1",
             "logger=none",
@@ -65,6 +78,46 @@ def test_optuna_search_runs_trials_and_reports_the_best(started):
     # the value Optuna optimized is what train.py's main returned: each job's final val/acc
     assert best["best_value"] == pytest.approx(max(line["val/acc"] for line in lines))
     assert 0.003 <= best["best_params"]["optim.lr"] <= 1.0
+
+
+def test_a_diverged_trial_is_a_result_for_the_search_not_a_reason_to_stop_it(started):
+    """The search runs all its trials and writes its results; a diverged trial is recorded as
+    diverged, told to Optuna as the worst value, and its error is printed once."""
+    result = started["optuna_diverging"].result()
+    assert result.returncode == 5, result.output[-3000:]
+    lines = read_jsonl(result.sweep_dir / "sweep.jsonl")
+    diverged = [line for line in lines if line["status"] == "diverged"]
+    assert len(lines) == 4 and diverged and len(diverged) < 4, [line["status"] for line in lines]
+    assert all("optim.lr=1000000.0" in line["overrides"] for line in diverged)
+    best = yaml.safe_load((result.sweep_dir / "optimization_results.yaml").read_text())
+    assert best["best_params"] == {"optim.lr": 0.1}  # accum, precision, init_scale were fixed
+    assert best["best_value"] == pytest.approx(max(line["val/acc"] for line in lines if line["status"] == "completed"))
+    # one line per diverged job (the sweeper's own "Failed ..." lines are not repeated), no traceback
+    assert result.stderr.count("error: training stopped: step 58") == len(diverged)
+    assert "Failed" not in result.output and "Traceback" not in result.output
+    assert "Error executing job" not in result.output
+    completed = len(lines) - len(diverged)
+    end = f"sweep: {completed} completed, {len(diverged)} diverged; {result.sweep_dir / 'sweep.jsonl'} (exit 5)"
+    assert result.stderr.splitlines()[-1] == end
+
+
+def test_the_search_optimizes_the_objective_the_way_it_wants(tmp_path):
+    """val/acc is maximized, val/loss and train/loss minimized, without setting the direction;
+    objective=null is the task's own (val/acc for classification, val/loss for task=lm)."""
+    from hydra import compose, initialize_config_dir
+
+    from halfprec.launch.objective import objective_metric, register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        for overrides, objective, direction in [
+            ([], "val/acc", "maximize"),
+            (["task=lm"], "val/loss", "minimize"),
+            (["objective=train/loss"], "train/loss", "minimize"),
+            (["task=lm", "objective=val/bpb"], "val/bpb", "minimize"),
+        ]:
+            cfg = compose("train", overrides=["hparams_search=optuna", *overrides], return_hydra_config=True)
+            assert (objective_metric(cfg).name, cfg.hydra.sweeper.direction) == (objective, direction), overrides
 
 
 def test_loss_scaling_experiment_reproduces_underflow_stall(started):
@@ -149,7 +202,9 @@ def test_ctrl_c_stops_the_sweep_after_the_running_jobs_checkpoint(tmp_path):
 def test_bad_objective_names_the_choices(cli):
     result = cli.run("objective=val/accuracy")
     assert result.returncode == 2
-    assert "objective=val/accuracy: must be one of val/acc, val/loss, val/bpb, val/ppl, train/loss" in result.output
+    assert result.stderr.strip() == (
+        "error: objective=val/accuracy: task=classification reports val/loss, val/acc and train/loss (null: val/acc)"
+    )
 
 
 @pytest.mark.parametrize("sweep_file", SWEEPS, ids=[p.stem for p in SWEEPS])

@@ -72,9 +72,10 @@ def check_task(cfg: DictConfig, task: Any, token_data: bool) -> None:
         )
     if token_data and not task.needs_tokens:
         raise ConfigError("task", cfg.task.name, f"data={cfg.data.name} holds token sequences: use task=lm")
-    if cfg.objective not in (*task.metrics, "train/loss"):
+    if cfg.objective is not None and task.metric(cfg.objective) is None:
+        names = ", ".join(m.name for m in task.metrics)
         raise ConfigError(
-            "objective", cfg.objective, f"task={task.name} reports {', '.join(task.metrics)} and train/loss"
+            "objective", cfg.objective, f"task={task.name} reports {names} and train/loss (null: {task.objective})"
         )
 
 

@@ -63,6 +63,14 @@ def failure_line(err: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def in_sweep() -> bool:
+    """Whether this Hydra job is one of a multirun's."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 @contextlib.contextmanager
 def job_errors() -> Iterator[None]:
     """Around a Hydra job: a single run prints its own error as one line and exits with its code
@@ -71,11 +79,8 @@ def job_errors() -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         known = failure_line(err)
-        if known is None or HydraConfig.get().mode == RunMode.MULTIRUN:
+        if known is None or in_sweep():
             raise
         print(known[1], file=sys.stderr)
         raise SystemExit(known[0]) from None
@@ -107,7 +112,9 @@ def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
     if sweep_log.jobs_recorded():  # a job failed (its line is printed by now, or just below); the sweep's
         if isinstance(err, Preempted):  # a job in another process was stopped by a signal
             return _end_of_sweep(SIGNAL)
-        return _end_of_sweep(SWEEP_FAILED if failure_line(err) else _bug(err))
+        # a job's error that the sweeper raised again (Optuna's max_failure_rate): printed as the job ended
+        printed = failure_line(err) is not None or id(err) in sweep_log.printed_errors
+        return _end_of_sweep(SWEEP_FAILED if printed else _bug(err))
     known = failure_line(err)
     if known is None:
         known = hydra_error_line(err, conf_dir, argv)

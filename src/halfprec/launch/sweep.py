@@ -20,16 +20,24 @@ from halfprec.errors import Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 from halfprec.launch.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
 
-RECORDED = ("train/loss", "val/loss", "val/acc", "scaler/skipped_steps", "scaler/min_scale", "scaler/final_scale")
+# Recorded for every job, beside the task's own val/* metrics (whatever summary.json holds).
+RECORDED = ("train/loss", "scaler/skipped_steps", "scaler/min_scale", "scaler/final_scale")
+# The Optuna sweeper's own lines about a failed trial repeat the error the job's line has printed.
+REPEATED = ("Failed experiment: ", "Failed ")
 
 
-def job_status(err: BaseException | None) -> str:
-    """completed; stopped (a stop signal: resumable); diverged (training stopped itself); failed."""
+def job_status(err: BaseException | None, summary: dict) -> str:
+    """completed; stopped (a stop signal: resumable); diverged (training stopped itself: in a sweep
+    the job returns the worst objective instead of raising, and summary.json says so); failed."""
     if err is None:
-        return "completed"
+        return summary.get("status", "completed")
     if isinstance(err, Preempted):
         return "stopped"
     return "diverged" if isinstance(err, TrainingAborted) else "failed"
+
+
+def recorded(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k in RECORDED or k.startswith("val/")}
 
 
 class SweepRecord(Callback):
@@ -54,6 +62,8 @@ class SweepRecord(Callback):
             import optuna  # before the sweeper does: its "new study created" line goes (the sweeper logs the study)
 
             optuna.logging.set_verbosity(logging.WARNING)
+            sweeper_log = logging.getLogger("hydra_plugins.hydra_optuna_sweeper._impl")
+            sweeper_log.addFilter(lambda record: not str(record.msg).startswith(REPEATED))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._started[os.getpid()] = time.time()
@@ -71,11 +81,14 @@ class SweepRecord(Callback):
         line = {
             "job": hydra.job.num,
             "overrides": list(hydra.overrides.task),
-            "status": job_status(err),
+            "status": job_status(err, summary),
             "wall_s": round(time.time() - self._started.pop(os.getpid(), time.time()), 3),
             "dir": str(run_dir),
-            **{k: summary.get(k) for k in RECORDED},
+            **{k: None for k in RECORDED},
+            **recorded(summary),
         }
+        if err is None and line["status"] == "diverged":  # it returned the worst objective to the sweeper
+            err = TrainingAborted(summary.get("error", "diverged"))
         known = failure_line(err) if err is not None else None
         if err is not None:
             line["error"] = f"{type(err).__name__}: {err}"
@@ -88,6 +101,7 @@ class SweepRecord(Callback):
     def _job_failed(line: dict, err: BaseException, known: bool, fail_fast: bool) -> None:
         """Say how the job ended (a bug, not `known`, with its traceback); stop the sweep where that is asked for."""
         sweep_log.printed.add(line["job"])
+        sweep_log.printed_errors.add(id(err))  # a sweeper that raises it again (Optuna) is not printed twice
         if known:
             print(line["message"], file=sys.stderr, flush=True)
         else:

@@ -13,6 +13,7 @@ STATUSES = ("completed", "failed", "diverged", "stopped")  # in the order the en
 
 launched: Path | None = None  # the sweep.jsonl of the multirun this process launched (set by the callback)
 printed: set[int] = set()  # the jobs whose failure this process has printed (it ran them itself)
+printed_errors: set[int] = set()  # and the id() of their exceptions
 
 
 def append(path: Path, line: dict) -> None:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from halfprec.components.tasks import Classification, Task
+from halfprec.components.tasks import Task
+from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.params import ParamStrategy, nbytes
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training.distributed import is_sharded

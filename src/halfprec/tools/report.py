@@ -17,6 +17,7 @@ matplotlib, numpy and wandb are imported inside the functions that draw and uplo
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import os
@@ -36,13 +37,9 @@ EXPECTED = (
     "or a dir holding such runs"
 )
 
-# Table columns after the overrides, and how their values print. "-" is a value never logged,
-# "nan" one logged as null (non-finite: metrics.jsonl writes inf and NaN as null).
-METRIC_FORMATS = {
-    "train/loss": ".4f",
-    "val/loss": ".4f",
-    "val/acc": ".4f",
-    "val/bpb": ".4f",
+# Table columns after the overrides and the tasks' val/* metrics (val_formats), and how their values
+# print. "-" is a value never logged, "nan" one logged as null (metrics.jsonl writes inf and NaN as null).
+RUN_FORMATS = {
     "skipped steps": ".10g",  # whole and exact: counts, and scales that are powers of two
     "min scale": ".10g",
     "final scale": ".10g",
@@ -51,11 +48,27 @@ METRIC_FORMATS = {
     "MFU": ".3f",
     "peak attn logit": ".4g",
 }
-# Columns a task or a setting logs: shown only where some job logged them (val/acc: classification;
-# val/bpb, tokens/s: task=lm; the attention logits: a transformer with diagnostics=grads).
-OPTIONAL_COLUMNS = ("val/acc", "val/bpb", "tokens/s", "peak attn logit")
+# Columns a setting logs: shown only where some job logged them (tokens/s: task=lm; the attention
+# logits: a transformer with diagnostics=grads). So is every val/* column but val/loss.
+OPTIONAL_COLUMNS = ("tokens/s", "peak attn logit")
 # Group rows print mean and std with these: a mean of counts or powers of two is not whole.
-SPREAD_FORMATS = {**METRIC_FORMATS, "skipped steps": ".6g", "min scale": ".6g", "final scale": ".6g"}
+SPREAD_FORMATS = {"skipped steps": ".6g", "min scale": ".6g", "final scale": ".6g"}
+
+
+@functools.cache
+def val_formats() -> dict[str, str]:
+    """The val/* columns: the metrics each registered task says its tables show, in its format
+    (components/tasks: a new task's metrics get columns of their own)."""
+    from halfprec.components.tasks import TASKS  # imports torch: only once tables are made
+
+    return {m.name: m.fmt for task in TASKS.values() for m in task.metrics if m.column}
+
+
+@functools.cache
+def metric_formats() -> dict[str, str]:
+    """Every metric column, in table order, with how its values print."""
+    return {"train/loss": ".4f", **val_formats(), **RUN_FORMATS}
+
 
 # Overrides that pick a replicate rather than a configuration ("+seed=1" as well as "seed=1").
 SEED_KEYS = ("seed",)
@@ -204,7 +217,8 @@ def job_status(run_dir: Path, summary: dict[str, Any], sweep_line: dict | None) 
     # its sweep may have been finished later by hand (hydra.run.dir=<job dir> resume=auto). A run that
     # ended may still say it went wrong ("status": "diverged"); without the key it completed.
     if (run_dir / "summary.json").is_file():
-        return str(summary.get("status") or "completed"), summary.get("error")
+        error = summary.get("error")  # a diverged run's holds its culprit and scale history too
+        return str(summary.get("status") or "completed"), error.splitlines()[0] if error else None
     if sweep_line is not None:
         error = sweep_line.get("error")
         return sweep_line.get("status", "failed"), error.splitlines()[0] if error else None
@@ -242,13 +256,11 @@ def steady_median(rows: list[dict], key: str) -> float | None:
 
 
 def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
-    """The table's metric columns for one job (keys as in METRIC_FORMATS). A finished run's
+    """The table's metric columns for one job (keys as in metric_formats()). A finished run's
     summary.json has the exact minimum scale; the rows, logged every few steps, may miss it."""
     return {
         "train/loss": final(rows, "train/loss"),
-        "val/loss": final(rows, "val/loss"),
-        "val/acc": final(rows, "val/acc"),
-        "val/bpb": final(rows, "val/bpb"),
+        **{name: final(rows, name) for name in val_formats()},
         "skipped steps": final(rows, "scaler/skipped_steps"),
         "min scale": summary.get("scaler/min_scale", smallest(rows, "scaler/scale")),
         "final scale": final(rows, "scaler/scale"),
@@ -260,8 +272,9 @@ def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def metric_columns(logged: list[dict[str, Any]]) -> list[str]:
-    """METRIC_FORMATS' columns, less the optional ones that no job logged (`logged`: job_metrics of each)."""
-    return [c for c in METRIC_FORMATS if c not in OPTIONAL_COLUMNS or any(m[c] is not None for m in logged)]
+    """The metric columns, less the optional ones that no job logged (`logged`: job_metrics of each)."""
+    optional = (*OPTIONAL_COLUMNS, *(name for name in val_formats() if name != "val/loss"))
+    return [c for c in metric_formats() if c not in optional or any(m[c] is not None for m in logged)]
 
 
 def shown_overrides(jobs: list[Job]) -> list[str]:
@@ -366,20 +379,20 @@ def format_cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, Spread):
-        fmt = SPREAD_FORMATS[column]
+        fmt = SPREAD_FORMATS.get(column, metric_formats()[column])
         if math.isnan(value.mean):
             return f"nan (n={value.n})"
         std = "" if value.std is None else f" ± {format(value.std, fmt)}"
         return f"{format(value.mean, fmt)}{std} (n={value.n})"
     if isinstance(value, float) and math.isnan(value):
         return "nan"
-    if column in METRIC_FORMATS and isinstance(value, int | float):
-        return format(value, METRIC_FORMATS[column])
+    if column in metric_formats() and isinstance(value, int | float):
+        return format(value, metric_formats()[column])
     return str(value).replace("|", "\\|")  # a literal | would split the markdown cell
 
 
 def to_markdown(header: list[str], rows: list[list[Any]]) -> str:
-    align = ["---:" if column in METRIC_FORMATS else "---" for column in header]
+    align = ["---:" if column in metric_formats() else "---" for column in header]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(format_cell(column, value) for column, value in zip(header, row)) + " |")
@@ -914,7 +927,8 @@ def wandb_table(header: list[str], rows: list[list[Any]]) -> Any:
     import wandb
 
     spread_columns = [
-        column in METRIC_FORMATS and any(isinstance(row[i], Spread) for row in rows) for i, column in enumerate(header)
+        column in metric_formats() and any(isinstance(row[i], Spread) for row in rows)
+        for i, column in enumerate(header)
     ]
     columns: list[str | int] = [  # wandb.Table's annotation; the names are all strings
         name

@@ -106,7 +106,7 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
         # how far it got, with the counters of the moment it stopped (sweep.jsonl, halfprec report)
         status, code = ("stopped", 4) if isinstance(err, Preempted) else ("diverged", 3)  # stopped: resumable
         summary = end_summary(cfg, c, loop, status, code, time.perf_counter() - start)
-        summary["error"] = str(err).splitlines()[0]
+        summary["error"] = str(err)  # all of it: the culprit, the scale history, the crash checkpoint
         raise
     except KeyboardInterrupt:  # a second Ctrl-C (StopSignals): say what is on disk, exit 130
         summary = end_summary(cfg, c, loop, "interrupted", 130, time.perf_counter() - start)
