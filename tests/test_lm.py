@@ -136,13 +136,85 @@ def test_token_files_are_memory_mapped_and_malformed_ones_are_one_error(tmp_path
     data = load_tokens(str(tmp_path), block_size=10, vocab_size=300, num_workers=0)
     x, y = data.train[3]
     assert torch.equal(x, torch.arange(30, 40)) and torch.equal(y, torch.arange(31, 41)) and len(data.train) == 99
-    with pytest.raises(ConfigError, match=r"data\.vocab_size=100: train\.bin holds token 299"):
+    with pytest.raises(ConfigError, match=r"data\.vocab_size=100: .*train\.bin holds token id 100 at position 100 "):
         load_tokens(str(tmp_path), block_size=10, vocab_size=100)
+    with pytest.raises(ConfigError, match=r"val\.bin holds 200 tokens, a block needs 201.*block_size<=199$"):
+        load_tokens(str(tmp_path), block_size=200, vocab_size=300)
     (tmp_path / "val.bin").write_bytes(b"\x01\x02\x03")
-    with pytest.raises(ConfigError, match=r"val\.bin is not a uint16 token file"):
+    with pytest.raises(ConfigError, match=r"val\.bin is 3 bytes, an odd number: not a uint16 token file"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=300)
+    (tmp_path / "val.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"val\.bin is empty \(0 bytes\)"):
         load_tokens(str(tmp_path), block_size=10, vocab_size=300)
     with pytest.raises(ConfigError, match=r"no train\.bin here"):
         load_tokens(str(tmp_path / "nothing"))
+
+
+def one_line_error(result) -> str:
+    """What a user sees of a config error: exit code 2 and one line, no traceback."""
+    assert result.returncode == 2, result.output
+    assert "Traceback" not in result.output
+    (line,) = result.output.strip().splitlines()
+    return line
+
+
+def test_a_token_id_out_of_range_anywhere_is_one_line_naming_the_file_the_id_and_its_position(cli, tmp_path):
+    tokens = np.arange((1 << 20) + 1000, dtype=np.uint16) % 256  # past the first million tokens
+    tokens[-10] = 60000
+    tokens.tofile(tmp_path / "train.bin")
+    tokens[:500].tofile(tmp_path / "val.bin")
+    result = cli.run(*TINY, "data=tokens", f"data.root={tmp_path}", "data.vocab_size=256", "data.num_workers=0")
+    line = one_line_error(result)
+    at = len(tokens) - 10
+    train = tmp_path / "train.bin"
+    assert line.startswith(f"error: data.vocab_size=256: {train} holds token id 60000 at position {at} ")
+    assert "set data.vocab_size to at least 60001" in line
+
+
+def test_the_token_id_check_reads_the_whole_file_in_chunks_and_reports_the_first_bad_id(tmp_path, monkeypatch):
+    import halfprec.components.text as text
+
+    monkeypatch.setattr(text, "CHUNK", 1000)  # the file spans many chunks
+    tokens = np.zeros(10_000, dtype=np.uint16)
+    tokens[[5500, 9999]] = [300, 400]
+    tokens.tofile(tmp_path / "train.bin")
+    np.zeros(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    match = r"train\.bin holds token id 300 at position 5500 .*set data\.vocab_size to at least 401"
+    with pytest.raises(ConfigError, match=match):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=256)
+    tokens[:] = 0
+    tokens.tofile(tmp_path / "val.bin")
+    tokens[9999] = 256
+    tokens.tofile(tmp_path / "train.bin")  # the very last id, one past the vocabulary
+    with pytest.raises(ConfigError, match=r"token id 256 at position 9999 .*at least 257"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=256)
+    assert len(load_tokens(str(tmp_path), block_size=10, vocab_size=257, num_workers=0).train) == 999
+
+
+def test_an_empty_text_corpus_is_said_to_be_empty(cli, tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"")
+    line = one_line_error(cli.run(*TINY, "data=text", f"data.root={tmp_path}"))
+    assert line == f"error: data.root={tmp_path}: {tmp_path / 'a.txt'} is empty: put some text there"
+    (tmp_path / "b.txt").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"the 2 files matching \*\.txt in data\.root are all empty: put some text"):
+        load_text(str(tmp_path), block_size=16)
+    # an empty file among others holds no document: it is not the validation split
+    for name in ("c.txt", "d.txt"):
+        (tmp_path / name).write_text(f"{name} " * 500)
+    data = load_text(str(tmp_path), block_size=16)
+    assert len(data.train) > 0 and len(data.val) > 0
+
+
+def test_a_short_text_is_reported_at_its_size_on_disk_with_a_block_size_that_works(cli, tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"x" * 27)
+    line = one_line_error(cli.run(*TINY, "data=text", f"data.root={tmp_path}", "model.block_size=128"))
+    assert line.startswith(f"error: data.block_size=128: longer than the text: {tmp_path / 'a.txt'} is 27 bytes, ")
+    assert "73" not in line and "use model.block_size<=3" in line
+    assert len(load_text(str(tmp_path), block_size=3).val) == 1  # what the message offers works
+    (tmp_path / "b.txt").write_bytes(b"y" * 30)
+    both = r"the 2 files matching \*\.txt in data\.root are 57 bytes in all, the training split holds 30 of them"
+    with pytest.raises(ConfigError, match=both):
+        load_text(str(tmp_path), block_size=64)
 
 
 def test_validation_shares_of_token_blocks_pad_whole_sequences():

@@ -34,7 +34,8 @@ def load_pydoc(block_size: BlockSize = 128, val_fraction: ValFraction = 0.1, see
     from pydoc_data.topics import topics
 
     documents = [topics[key].encode("utf-8") for key in sorted(topics)]
-    return byte_dataset(documents, block_size, val_fraction, seed)
+    corpus = f"the pydoc text is {sum(map(len, documents))} bytes"
+    return byte_dataset(documents, block_size, val_fraction, seed, corpus)
 
 
 def load_text(
@@ -50,16 +51,30 @@ def load_text(
     if not files:
         found = "no such directory" if not where.is_dir() else f"no file matching {pattern} in it"
         raise ConfigError("data.root", root, f"{found}; put text files there or set data.pattern")
-    documents = [f.read_bytes() for f in files]
+    contents = [f.read_bytes() for f in files]
+    # sizes as `ls -l` shows them: the files' bytes, before any splitting or separators
+    matching = f"the {len(files)} files matching {pattern} in data.root"
+    if not any(contents):  # not block_size advice: no block size fits no text
+        empty = f"{files[0]} is empty" if len(files) == 1 else f"{matching} are all empty"
+        raise ConfigError("data.root", root, f"{empty}: put some text there")
+    if len(files) == 1:
+        corpus = f"{files[0]} is {len(contents[0])} bytes"
+    else:
+        corpus = f"{matching} are {sum(map(len, contents))} bytes in all"
+    # an empty file is no document: in the split it would only hold out separators for validation
+    documents = [data for data in contents if data]
     if len(documents) == 1:  # one file: pieces of it are the documents of the split
         whole = documents[0]
         step = -(-len(whole) // PIECES)
         documents = [whole[i : i + step] for i in range(0, len(whole), step)]
-    return byte_dataset(documents, block_size, val_fraction, seed)
+    return byte_dataset(documents, block_size, val_fraction, seed, corpus)
 
 
-def byte_dataset(documents: list[bytes], block_size: int, val_fraction: float, seed: int) -> Dataset:
-    """Bytes as tokens (vocabulary 256): a seeded split of the documents, each side cut into blocks."""
+def byte_dataset(
+    documents: list[bytes], block_size: int, val_fraction: float, seed: int, corpus: str = "the text"
+) -> Dataset:
+    """Bytes as tokens (vocabulary 256): a seeded split of the documents, each side cut into blocks.
+    `corpus` says where the documents come from and their real size, for an error about it."""
     order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(seed)).tolist()
     wanted, val_docs, held = val_fraction * sum(map(len, documents)), [], 0
     for i in order:  # documents in seeded order, those that keep validation within its share
@@ -69,20 +84,31 @@ def byte_dataset(documents: list[bytes], block_size: int, val_fraction: float, s
     if not val_docs or len(val_docs) == len(documents):
         val_docs = [min(order, key=lambda i: len(documents[i]))]  # at least one of each
     train_docs = [i for i in order if i not in val_docs]
-    train, val = (
-        blocks(b"\n\n".join(documents[i] for i in sorted(side)), block_size) for side in (train_docs, val_docs)
-    )
+    sides = {"training": train_docs, "validation": val_docs}
+    joined = {side: b"\n\n".join(documents[i] for i in sorted(docs)) for side, docs in sides.items()}
+    for side, data in joined.items():
+        if len(data) <= block_size:  # not one block with its next-token target
+            held = sum(len(documents[i]) for i in sides[side])  # the text's own bytes, no separators
+            raise too_short(block_size, corpus, side, held, joined)
+    train, val = (blocks(joined[side], block_size) for side in sides)
     return Dataset(train, val, (block_size,), 256, bytes_per_token=1.0)
+
+
+def too_short(block_size: int, corpus: str, side: str, held: int, joined: dict[str, bytes]) -> ConfigError:
+    """Why no block fits, in sizes the user can check, and the largest block_size that would work."""
+    most = min(map(len, joined.values())) - 1  # the split does not depend on block_size
+    fix = f"use model.block_size<={most} or more text" if most >= 1 else "add more text"
+    if side == "validation":
+        fix += " (or a larger data.val_fraction)"
+    need = f"a block needs {block_size + 1} bytes (block_size + 1) on each side of the train/val split"
+    where = f"{corpus}, the {side} split holds {held} of them"
+    return ConfigError("data.block_size", block_size, f"longer than the text: {where}; {need}: {fix}")
 
 
 def blocks(data: bytes, block_size: int) -> Split:
     """Non-overlapping blocks of `block_size` tokens, each with its next tokens as the targets."""
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
     n = (len(tokens) - 1) // block_size
-    if n < 1:
-        raise ConfigError(
-            "data.block_size", block_size, f"longer than the text ({len(tokens)} bytes): use a smaller model.block_size"
-        )
     x = tokens[: n * block_size].view(n, block_size)
     y = tokens[1 : n * block_size + 1].view(n, block_size)
     return Split(x, y)
@@ -118,8 +144,11 @@ def load_tokens(
         TokenBlocks(read_token_file(Path(root) / name, vocab_size), block_size) for name in ("train.bin", "val.bin")
     ]
     for name, split in zip(("train.bin", "val.bin"), splits):
-        if len(split) < 1:
-            raise ConfigError("data.block_size", block_size, f"longer than {Path(root) / name}: use a smaller one")
+        if len(split) < 1:  # not one block with its next-token target
+            n = len(split.tokens)
+            fix = f"use model.block_size<={n - 1}" if n > 1 else "it needs more tokens"
+            need = f"a block needs {block_size + 1} (block_size + 1)"
+            raise ConfigError("data.block_size", block_size, f"{Path(root) / name} holds {n} tokens, {need}: {fix}")
     workers = Workers(loader_workers(num_workers, most=4), False, persistent_workers)
     return Dataset(splits[0], splits[1], (block_size,), vocab_size, workers, bytes_per_token=bytes_per_token)
 
@@ -130,12 +159,33 @@ def read_token_file(path: Path, vocab_size: int) -> np.ndarray:
         raise ConfigError(
             "data.root", str(path.parent), f"no {path.name} here: nanoGPT-style uint16 token files expected"
         )
-    if path.stat().st_size % 2 or path.stat().st_size == 0:
-        raise ConfigError("data.root", str(path.parent), f"{path.name} is not a uint16 token file (odd or empty size)")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    head = int(tokens[: 1 << 20].max())  # the first million tokens: a wrong vocabulary shows at once
-    if head >= vocab_size:
+    size = path.stat().st_size
+    if size == 0:
+        raise ConfigError("data.root", str(path.parent), f"{path.name} is empty (0 bytes): it holds no tokens")
+    if size % 2:
         raise ConfigError(
-            "data.vocab_size", vocab_size, f"{path.name} holds token {head}: set data.vocab_size above it"
+            "data.root", str(path.parent), f"{path.name} is {size} bytes, an odd number: not a uint16 token file"
         )
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    check_token_ids(path, tokens, vocab_size)
     return tokens
+
+
+CHUNK = 1 << 24  # tokens per look (32 MB): a corpus larger than memory is scanned a piece at a time
+
+
+def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Every id below `vocab_size`, all of the file: one id out of range anywhere would otherwise be an
+    IndexError in the embedding, hours into training, when a batch first holds it."""
+    if vocab_size > np.iinfo(np.uint16).max:  # no uint16 id can be out of range: skip reading the file
+        return
+    first, top = -1, 0
+    for start in range(0, len(tokens), CHUNK):
+        chunk = tokens[start : start + CHUNK]
+        top = max(top, int(chunk.max()))
+        if first < 0 and top >= vocab_size:  # the earlier chunks were all in range: the first is in this one
+            first = start + int(np.argmax(chunk >= vocab_size))
+    if first >= 0:
+        where = f"{path} holds token id {int(tokens[first])} at position {first} (of {len(tokens)}, from 0)"
+        fix = f"set data.vocab_size to at least {top + 1} (its largest id + 1), or use files made for {vocab_size} ids"
+        raise ConfigError("data.vocab_size", vocab_size, f"{where}, not below data.vocab_size: {fix}")
