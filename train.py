@@ -20,11 +20,11 @@ from halfprec.launch.objective import register_resolvers, sweep_value
 def main(cfg: DictConfig) -> float:
     with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
         join_job_tasks()  # a submitit job of several tasks: one distributed run, as under torchrun
-        validate(cfg)  # a bad value fails before any data or model is built
+        validate(cfg)  # a bad value fails before torch is imported, and any data or model built
         from halfprec.training.run import run
 
         try:
-            summary = run(cfg, HydraConfig.get().runtime.output_dir)
+            summary = run(cfg, HydraConfig.get().runtime.output_dir, validated=True)
         except TrainingAborted:
             if not in_sweep():
                 raise

@@ -78,6 +78,7 @@ from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from halfprec.components.models import create_model  # noqa: E402
+from halfprec.config import validate  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
 from halfprec.numerics.params import build_params  # noqa: E402
 from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
@@ -602,6 +603,7 @@ def make_loops(
     native_channels_last = "channels_last" in cfg.trainer  # halfprec versions with trainer.channels_last
     if native_channels_last:
         cfg.trainer.channels_last = channels_last  # the workload decides, for every contender alike
+    validate(cfg)
     c = build(cfg)
     if channels_last and not native_channels_last:
         c = to_channels_last(c, cfg)

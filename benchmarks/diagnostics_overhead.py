@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from halfprec.config import validate
 from halfprec.training.build import build
 from halfprec.training.diagnostics import Diagnostics
 
@@ -56,6 +57,7 @@ def main() -> None:
     for name, model_overrides in MODELS.items():
         with initialize_config_dir(str(CONF), version_base="1.3"):
             cfg = compose("train", overrides=["logger=none", "diagnostics=grads", *model_overrides, *args.overrides])
+        validate(cfg)
         c = build(cfg)
         diag = Diagnostics(cfg.diagnostics, c.model, c.params)
         x, y = next(c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device))  # one digits batch, reused

@@ -44,6 +44,7 @@ from compare_loops import WORKLOADS, Workload, choose_rows, compose_cfg, cpu_mod
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from halfprec.config import validate
 from halfprec.errors import ConfigError
 from halfprec.tools.memory import MB, estimate_memory
 from halfprec.training.build import Components, build
@@ -122,6 +123,7 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
         return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), y
 
     def train() -> tuple[Components, tuple[torch.Tensor, torch.Tensor], int]:
+        validate(cfg)
         c = build(cfg)
         # `steps` steps that update the weights: fp16's first scales may overflow, and a skipped
         # step makes no optimizer state, so a peak over skipped steps alone would miss it

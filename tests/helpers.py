@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from halfprec.config import validate
 from halfprec.training.build import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -28,6 +29,7 @@ def compose_cfg(*overrides: str):
 
 def build_from(*overrides: str) -> tuple[Components, object]:
     cfg = compose_cfg(*overrides)
+    validate(cfg)
     return build(cfg), cfg
 
 

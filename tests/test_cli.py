@@ -41,7 +41,26 @@ OPTIONS = [
 ]
 # Options that only work together with another choice.
 NEEDS = {"init=fixup": ["model=fixup_resnet"], "precision=fp8": ["precision.fp8_emulate=true"]}
-NEEDS |= {option: ["task=lm"] for option in ("model=gpt", "data=pydoc", "data=text", "data=tokens")}
+
+
+def fitting_tasks() -> dict[str, list[str]]:
+    """A data or model option that does not fit the default task needs the task that learns from its
+    data (task=lm for data=pydoc and model=gpt), found in the registries: a new option needs no entry."""
+    from halfprec.components.data import DATASETS
+    from halfprec.components.models import MODELS
+    from halfprec.components.tasks import TASKS
+
+    def task_for(targets: str) -> str:
+        return next(name for name, task in TASKS.items() if task.learns_from == targets)
+
+    targets = {f"data={p.stem}": DATASETS[OmegaConf.load(p).name].targets for p in (CONF / "data").glob("*.yaml")}
+    for option in (CONF / "model").glob("*.yaml"):  # a model: the targets of a dataset it can read
+        reads = MODELS[OmegaConf.load(option).arch].reads
+        targets[f"model={option.stem}"] = next(d.targets for d in DATASETS.values() if d.inputs == reads)
+    return {option: [f"task={task_for(t)}"] for option, t in targets.items() if task_for(t) != "classification"}
+
+
+NEEDS |= fitting_tasks()
 # Scaler options are only meaningful where the loss is scaled: run them in fp16.
 GROUP_CONTEXT = {"scaler": ["precision=fp16"]}
 # Small versions of each model (fp16 autocast on CPU is slow; timm's resnet18 is 11M parameters).
@@ -288,6 +307,49 @@ def test_metrics_jsonl_uses_the_documented_names(runs):
     assert not unknown, f"metric names not in docs/design.md's list (add them there first): {unknown}"
 
 
+@pytest.mark.parametrize(
+    "overrides, warning",
+    [
+        (["sched.warmup_steps=1000", "trainer.max_steps=400"],
+         "sched.warmup_steps=1000 is beyond trainer.max_steps=400: the run ends during the warmup, at 40% of optim.lr"),
+        (["trainer.val_every=0"], "trainer.val_every=0: validation runs once, after the last step"),
+        (["trainer.val_every=100", "trainer.max_steps=200"], None),
+    ],
+)  # fmt: skip
+def test_settings_that_rarely_mean_what_they_say_are_warned_about(overrides, warning):
+    from halfprec.config import warnings
+
+    assert warnings(compose_cfg(overrides)) == ([warning] if warning else [])
+
+
+def test_a_run_validates_its_config_once(tmp_path, monkeypatch):
+    """train.py validates before it imports torch and tells run() so; build() never validates."""
+    import halfprec.config
+    import halfprec.training.run as run_module
+
+    calls = []
+    monkeypatch.setattr(run_module, "validate", lambda cfg: calls.append(cfg) or halfprec.config.validate(cfg))
+    cfg = compose_cfg(["logger=none", "trainer.progress=false", *CHEAP])
+    run_module.run(cfg, tmp_path / "a", validated=True)
+    assert calls == []
+    run_module.run(compose_cfg(["logger=none", "trainer.progress=false", *CHEAP]), tmp_path / "b")
+    assert len(calls) == 1
+    assert "validate" not in vars(__import__("halfprec.training.build", fromlist=["build"]))
+
+
+def test_the_defaults_list_names_every_option_of_each_group():
+    """conf/train.yaml's comments are where a user looks for the options: each lists all of them."""
+    listed = {}
+    for line in (CONF / "train.yaml").read_text().splitlines():
+        found = re.match(r"\s*- (\w+): \S+\s+# options: (.*)", line)
+        if found:
+            listed[found.group(1)] = set(re.findall(r"[\w]+", found.group(2)))
+    assert set(listed) == {p.name for p in CONF.iterdir() if p.is_dir()} - {"hydra", "experiment"}
+    for group, words in listed.items():
+        options = {p.stem for p in (CONF / group).glob("*.yaml")}
+        assert options <= words, f"conf/train.yaml's comment on {group} lacks {options - words}"
+
+
 def task_metric_names() -> set[str]:
     """A task's own metrics are its documentation (components/tasks: a fork's task adds its own)."""
     from halfprec.components.tasks import TASKS
@@ -373,6 +435,8 @@ def test_injected_inf_is_skipped_counted_and_reaches_wandb(runs, monkeypatch):
     composed = OmegaConf.to_container(OmegaConf.load(result.run_dir / ".hydra/config.yaml"), resolve=True)
     assert composed["trainer"]["threads"] == "auto" and config["trainer"]["threads"] == summary["threads"] == 1
     composed["trainer"]["threads"] = summary["threads"]  # the number `auto` became (OMP_NUM_THREADS=1 here)
+    assert composed["sched"]["total_steps"] is None and config["sched"]["total_steps"] == 5
+    composed["sched"]["total_steps"] = 5  # null became the run's trainer.max_steps: the schedule's horizon
     assert config == composed
 
 
@@ -397,6 +461,16 @@ BAD = {
     "model=timm model.name=resnet1": (2, ["model.name=resnet1: no such timm model; did you mean resnet18"]),
     "accum=abc": (None, ["accum=abc"]),
     "scaler=static scaler.scale=-1": (None, ["scaler.scale=-1"]),
+    # one line that hits the point, where Hydra's or Python's own first line misled
+    "precision=fp32,bf16": (2, ["precision=fp32,bf16: a comma list is a sweep: add -m (python train.py -m"]),
+    "experiment=loss_scaling": (2, ["experiment is not in train.yaml's defaults: add it with +experiment=loss_"]),
+    "task=lm model=mlp": (
+        2,
+        ["model=mlp: reads images or vectors, and data=pydoc gives token sequences: use model=gpt"],
+    ),
+    "task=lm data=digits": (2, ["data=digits: gives class labels and task=lm learns from token sequences: use data="]),
+    "optim=adamw optim.betas=0.9": (2, ["optim.betas=0.9: AdamW takes 2 values here", "optim.betas=[0.9,0.999]"]),
+    "precision=fp16 scaler.min_scale=1e6": (2, ["scaler.min_scale=1000000.0: above scaler.init_scale=65536"]),
 }
 NEEDS_NO_CUDA = {"trainer.device=cuda", "precision=tf32", "precision=fp8"}
 
@@ -422,7 +496,7 @@ def test_bad_value_stops_with_a_clear_message(bad, bad_runs):
         assert needle.lower() in result.stderr.lower(), f"{needle!r} not in:\n{result.stderr}"
     (line,) = result.stderr.strip().splitlines()  # one line, `error: key=value: what would work`
     assert line.startswith("error: ")
-    assert not (result.run_dir / "metrics.jsonl").exists(), "it must stop before training"
+    assert not result.run_dir.exists(), "a config error leaves no run dir (it would hold .hydra/ alone)"
 
 
 @pytest.mark.parametrize(

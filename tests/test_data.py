@@ -4,6 +4,8 @@ the DataLoader-backed batches (order, rank slices, resume), their config errors,
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -316,3 +318,12 @@ def test_digits_are_read_without_importing_scikit_learn_and_equal_its_loader():
     pixels, labels = _digits_arrays()
     reference = sk_load_digits()
     assert (pixels == reference.data).all() and (labels == reference.target).all()
+
+
+@pytest.mark.parametrize("module", ["halfprec.components.text", "halfprec.components.data"])
+def test_either_data_module_imports_first_and_the_registry_is_whole(module):
+    """data.py and text.py used to import each other: text first was an AttributeError."""
+    code = f"import {module}; from halfprec.components.data import DATASETS; print(' '.join(sorted(DATASETS)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["cifar10", "digits", "imagefolder", "pydoc", "synthetic", "text", "tokens"]

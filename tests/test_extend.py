@@ -159,3 +159,18 @@ def test_a_task_is_one_file_plus_a_yaml_and_its_metrics_reach_sweeps_and_reports
     assert report.returncode == 0, report.stderr[-3000:]
     header = next(line for line in report.stdout.splitlines() if line.startswith("| job"))
     assert "| val/mse |" in header and "val/acc" not in header
+
+
+def test_a_task_and_a_dataset_that_do_not_fit_are_one_line(fork):
+    """A regression task on real-valued targets, with data=digits (class labels): a config error
+    naming both, not a dtype error deep in the first step."""
+    task = MY_TASK.replace('name = "digit_value"', 'name = "regression"\n    learns_from = "values"')
+    (fork / "src" / "halfprec" / "components" / "tasks" / "regression.py").write_text(task.replace("DigitValue", "R"))
+    (fork / "conf" / "task" / "regression.yaml").write_text("# real-valued targets\nname: regression\n")
+    bad = train(fork, "task=regression", "data=digits", "hydra.run.dir=runs/regression")
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    (line,) = bad.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: data=digits: gives class labels and task=regression learns from values: no registered dataset "
+        "gives them, or task=classification"
+    )

@@ -248,8 +248,12 @@ def test_a_resumed_lm_run_logs_what_an_uninterrupted_one_does(tmp_path):
 def test_a_classification_setup_with_text_data_is_one_error():
     from halfprec.config import validate
 
-    with pytest.raises(ConfigError, match=r"task=classification: data=pydoc holds token sequences: use task=lm"):
+    with pytest.raises(ConfigError) as info:
         validate(compose_cfg("data=pydoc"))
+    assert str(info.value) == (
+        "data=pydoc: gives token sequences and task=classification learns from class labels: "
+        "use data=digits, synthetic, cifar10 or imagefolder, or task=lm"
+    )
 
 
 def test_diagnostics_keep_the_largest_causal_attention_logit_and_the_output_log_z():

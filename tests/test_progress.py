@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from halfprec.numerics.scaling import DynamicLossScaler
-from halfprec.training.progress import Progress, fmt
+from halfprec.training.progress import Progress, fmt, status_text
 
 
 @pytest.mark.parametrize(
@@ -46,3 +46,12 @@ def test_the_line_keeps_the_step_count_losses_and_times_at_80_columns(total, sca
 def test_a_wide_terminal_also_gets_the_bar():
     line = render(120, 500, 2.0**16, 0)
     assert "━" in line and line.startswith("480/500 ") and line.endswith("-:--:--")
+
+
+def test_the_line_shows_the_tasks_validation_metric():
+    """task=lm reports val/loss (shown as `val`), a classifier val/acc."""
+    scaler = DynamicLossScaler(init_scale=2.0**16)
+    scaler.kind = "none"
+    assert status_text({"train/loss": 2.5, "val/loss": 2.21}, scaler, "val/loss") == "loss 2.5000 val 2.2100"
+    assert status_text({"train/loss": 0.1, "val/acc": 0.9731}, scaler, "val/acc") == "loss 0.1000 acc 0.973"
+    assert status_text({"train/loss": 3.0, "val/bpb": 3.19}, scaler, "val/bpb") == "loss 3.0000 bpb 3.1900"

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from helpers import compose_cfg
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
 FP32 = ["model.hidden=[512,512]", "trainer.max_steps=400", "trainer.ckpt_every=25", "trainer.log_every=5",
         "trainer.val_every=50"]  # fmt: skip
+LM_TINY = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16"]
 FP16 = ["precision=fp16", "model.hidden=[64]", "trainer.max_steps=300", "trainer.ckpt_every=25",
         "trainer.log_every=1", "scaler.growth_interval=7", "trainer.inject_nonfinite_at=[30,31,90,200]"]  # fmt: skip
 
@@ -130,3 +132,47 @@ def test_a_checkpoint_written_before_the_redesign_still_resumes(tmp_path, capsys
     assert f"resume: from {OLD_CHECKPOINT} at step 4 of 6" in capsys.readouterr().err
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows if "train/loss" in r] == [6] and all(math.isfinite(r["train/loss"]) for r in rows)
+
+
+def test_a_longer_run_keeps_the_schedules_horizon_and_says_what_the_lr_does(tmp_path, capsys):
+    """Resuming with a larger trainer.max_steps used to restart the cosine (lr 4.7e-06 at the
+    checkpoint, 0.050 ten steps later); the horizon now stays unless sched.total_steps says otherwise."""
+    common = ["trainer.ckpt_every=20", "trainer.log_every=1", "sched.warmup_steps=0"]
+    run(compose_cfg(*common, "trainer.max_steps=20"), tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    capsys.readouterr()
+
+    run(compose_cfg(*common, "trainer.max_steps=30", "resume=auto"), tmp_path / "a")
+    err = capsys.readouterr().err
+    assert "resume: the cosine keeps its horizon of 20 steps: past them the lr stays at 0 (its end); " in err
+    assert "add sched.total_steps=30 to decay over the new length" in err
+    lrs = {r["step"]: r["train/lr"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl")}
+    assert all(lrs[step] == 0.0 for step in range(21, 31)), lrs
+
+    run(compose_cfg(*common, "trainer.max_steps=30", "sched.total_steps=30", "resume=auto"), tmp_path / "b")
+    assert "resume: sched.total_steps 20 -> 30: the lr goes from" in capsys.readouterr().err
+    lrs = {r["step"]: r["train/lr"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")}
+    lr = compose_cfg().optim.lr
+    for step in range(21, 31):  # the lr of step s is the schedule's value after s - 1 scheduler steps
+        assert lrs[step] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / 30)), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "first, then, named",
+    [
+        (["task=lm", *LM_TINY], [], "trained with task.name=lm, model.arch=gpt, data.name=pydoc, "
+         "optim._target_=torch.optim.AdamW, where this run has task.name=classification, model.arch=mlp, "
+         "data.name=digits, optim._target_=torch.optim.SGD"),
+        (["model.hidden=[16]"], ["model=fixup_resnet", "model.widths=[4,8,8]", "model.blocks_per_stage=1"],
+         "trained with model.arch=mlp, where this run has model.arch=fixup_resnet"),
+    ],
+    ids=["an lm checkpoint", "another model"],
+)  # fmt: skip
+def test_a_checkpoint_of_another_run_is_named_as_such(tmp_path, first, then, named):
+    run(compose_cfg(*first, "trainer.max_steps=2", "trainer.val_every=0"), tmp_path)
+    ckpt = checkpoint_files(tmp_path / "checkpoints")[-1]
+    with pytest.raises(ConfigError) as info:
+        run(compose_cfg(*then, "trainer.max_steps=4", f"resume={ckpt}"), tmp_path / "other")
+    assert str(info.value) == (
+        f"resume={ckpt}: a checkpoint of another run: {named}; resume with the overrides it was started with"
+    )

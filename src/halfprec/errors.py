@@ -55,3 +55,15 @@ class Preempted(Exception):
 
 class Interrupted(KeyboardInterrupt):
     """A second Ctrl-C quit the run at once. The message says what is on disk and how to go on."""
+
+
+def naming(err: BaseException, path: Any) -> BaseException:
+    """A failed write as the OSError a user reads (halfprec.launch.exits prints one line and exits 6):
+    with the path it was writing, which an OSError from write() or close() lacks, and found under
+    torch.save's RuntimeError, which wraps it. Anything that is no OSError is returned as it was."""
+    found = err if isinstance(err, OSError) else err.__context__
+    if not isinstance(found, OSError) or found.errno is None:
+        return err
+    if found.filename is not None:
+        return found
+    return OSError(found.errno, found.strerror, str(path))

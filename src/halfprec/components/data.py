@@ -110,6 +110,32 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1], table[:, -1].astype(np.int64)
 
 
+@dataclass(frozen=True)
+class DatasetEntry:
+    """A registered dataset: its loader, and what its samples hold, which the model and the task
+    must fit (config/rules.py, check_fit): `inputs` "tensors" (images, feature vectors) or "tokens"
+    (token ids), `targets` "classes" (a class index per sample) or "tokens" (the next token at each
+    position). A fork's dataset of another kind names its own ("values", ...)."""
+
+    load: Callable[..., Dataset]
+    inputs: str = "tensors"
+    targets: str = "classes"
+
+
+# `data.name` -> its entry; the other `data.*` keys (but batch_size) are the loader's arguments.
+# The loaders register themselves (register_dataset); components/__init__.py imports their modules.
+DATASETS: dict[str, DatasetEntry] = {}
+
+
+def register_dataset(name: str, inputs: str = "tensors", targets: str = "classes"):
+    def add(load):
+        DATASETS[name] = DatasetEntry(load, inputs, targets)
+        return load
+
+    return add
+
+
+@register_dataset("digits")
 def load_digits(
     val_size: Annotated[int, Spec(low=1, high=1796, doc="validation samples of the 1,797")] = 397,
     seed: Annotated[int, Spec(low=0, doc="the train/val split's seed")] = 0,
@@ -125,6 +151,7 @@ def load_digits(
     return Dataset(Split(x[train], y[train]), Split(x[val], y[val]), (1, 8, 8), 10)
 
 
+@register_dataset("synthetic")
 def make_synthetic(
     shape: Annotated[Sequence[int], Spec(low=1, nonempty=True, doc="one sample's shape, e.g. [3, 32, 32]")] = (1, 8, 8),
     num_classes: Annotated[int, Spec(low=2)] = 10,
@@ -150,6 +177,7 @@ NumWorkers = Annotated[Literal["auto"] | int, Spec(low=0, doc="DataLoader proces
 PersistentWorkers = Annotated[bool | None, Spec(doc="null: true when data.num_workers > 0")]
 
 
+@register_dataset("cifar10")
 def load_cifar10(
     root: Root = "data/cifar10",
     download: Annotated[bool, Spec(doc="let torchvision fetch the archive into data.root")] = False,
@@ -204,6 +232,7 @@ def load_cifar10(
     )
 
 
+@register_dataset("imagefolder")
 def load_imagefolder(
     root: Root = "data/imagenet",
     image_size: Annotated[int, Spec(low=1, doc="the side of the square crops the model sees, e.g. 224")] = 224,
@@ -247,18 +276,9 @@ def load_imagefolder(
     return Dataset(train, val, (3, image_size, image_size), len(train.classes), workers)
 
 
-# `data.name` -> loader; the other `data.*` keys (but batch_size) are the loader's arguments.
-DATASETS: dict[str, Callable[..., Dataset]] = {
-    "digits": load_digits,
-    "synthetic": make_synthetic,
-    "cifar10": load_cifar10,
-    "imagefolder": load_imagefolder,
-}
-
-
 def build_dataset(cfg) -> Dataset:
     kwargs = {k: v for k, v in cfg.items() if k not in ("name", "batch_size")}
-    return DATASETS[cfg.name](**kwargs)
+    return DATASETS[cfg.name].load(**kwargs)
 
 
 def num_samples(dataset: Split | TorchDataset) -> int:
@@ -446,9 +466,3 @@ class _RankShare(TorchDataset):
             return self.dataset[self.share[i]]
         x, y = self.dataset[0]  # the padding's label has the type of the others: the batches collate
         return x, torch.full_like(y, IGNORE_LABEL) if torch.is_tensor(y) else IGNORE_LABEL
-
-
-# The language-modelling corpora (pydoc, text, tokens) live in their own module; registered here.
-from halfprec.components import text  # noqa: E402
-
-DATASETS.update({"pydoc": text.load_pydoc, "text": text.load_text, "tokens": text.load_tokens})

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from halfprec.components.data import Dataset, NumWorkers, PersistentWorkers, Root, Split, Workers
+from halfprec.components.data import Dataset, NumWorkers, PersistentWorkers, Root, Split, Workers, register_dataset
 from halfprec.errors import ConfigError
 from halfprec.machine import loader_workers
 from halfprec.spec import Spec
@@ -25,10 +25,10 @@ from halfprec.spec import Spec
 BlockSize = Annotated[int, Spec(low=1, doc="tokens per sample, the model's context (model.block_size)")]
 ValFraction = Annotated[float, Spec(above=0, below=1, doc="share of the documents held out for validation")]
 Seed = Annotated[int, Spec(low=0, doc="the train/val split's seed")]
-TOKEN_DATASETS = ("pydoc", "text", "tokens")  # their samples are token sequences (task=lm)
 PIECES = 100  # a single text file is cut into this many documents for the train/val split
 
 
+@register_dataset("pydoc", inputs="tokens", targets="tokens")
 def load_pydoc(block_size: BlockSize = 128, val_fraction: ValFraction = 0.1, seed: Seed = 0) -> Dataset:
     """The text of the running interpreter's own documentation (about 465 KB), byte-level."""
     from pydoc_data.topics import topics
@@ -38,6 +38,7 @@ def load_pydoc(block_size: BlockSize = 128, val_fraction: ValFraction = 0.1, see
     return byte_dataset(documents, block_size, val_fraction, seed, corpus)
 
 
+@register_dataset("text", inputs="tokens", targets="tokens")
 def load_text(
     root: Root = "data/text",
     block_size: BlockSize = 128,
@@ -131,6 +132,7 @@ class TokenBlocks(TorchDataset):
         return chunk[:-1], chunk[1:]
 
 
+@register_dataset("tokens", inputs="tokens", targets="tokens")
 def load_tokens(
     root: Root = "data/tokens",
     block_size: BlockSize = 1024,

@@ -48,6 +48,31 @@ def check_precision(p: DictConfig, distributed: str) -> None:
         )
 
 
+def check_scaler(s: DictConfig) -> None:
+    """A dynamic scaler's floor must be at most its first scale (it would start below its floor)."""
+    floor, first = s.get("min_scale"), s.get("init_scale")
+    if floor is not None and first is not None and floor > first:
+        raise ConfigError(
+            "scaler.min_scale",
+            floor,
+            f"above scaler.init_scale={first:g}: the floor must be at most the first scale",
+        )
+
+
+def warnings(cfg: DictConfig) -> list[str]:
+    """Settings that work but rarely do what was meant: one line each, printed as the run starts."""
+    found = []
+    warmup, steps = cfg.sched.warmup_steps, cfg.trainer.max_steps
+    if warmup > steps:
+        found.append(
+            f"sched.warmup_steps={warmup} is beyond trainer.max_steps={steps}: the run ends during the warmup, "
+            f"at {steps / warmup:.0%} of optim.lr"
+        )
+    if cfg.trainer.val_every == 0:
+        found.append("trainer.val_every=0: validation runs once, after the last step")
+    return found
+
+
 def check_diagnostics(d: DictConfig) -> None:
     if d.activations and d.every == 0:
         raise ConfigError(
@@ -64,19 +89,39 @@ def check_residual(init: DictConfig, arch: str, models: dict[str, Any]) -> None:
         raise ConfigError("init.zero_init_last", True, f"model={arch} has no residual branches to zero")
 
 
-def check_task(cfg: DictConfig, task: Any, token_data: bool) -> None:
-    """The data must be what the task learns from, and the objective one of its metrics."""
-    if task.needs_tokens and not token_data:
-        raise ConfigError(
-            "data", cfg.data.name, f"task={task.name} learns from token sequences: use data=pydoc, text or tokens"
-        )
-    if token_data and not task.needs_tokens:
-        raise ConfigError("task", cfg.task.name, f"data={cfg.data.name} holds token sequences: use task=lm")
+# What a dataset's samples hold, as the fit errors say it (a fork's own kinds print as they are named).
+KINDS = {"tensors": "images or vectors", "tokens": "token sequences", "classes": "class labels"}
+
+
+def check_fit(cfg: DictConfig, task: Any, datasets: dict[str, Any], tasks: dict[str, Any], models: dict[str, Any]):
+    """The dataset must give what the task learns from and what the model reads (a mismatch would
+    end in a shape or dtype error deep in the first step), and the objective be one of the task's metrics."""
+    name, arch = cfg.data.name, cfg.model.arch
+    data, model = datasets[name], models[arch]
+    if data.targets != task.learns_from:
+        fits = [n for n, entry in datasets.items() if entry.targets == task.learns_from]
+        other = [n for n, t in tasks.items() if t.learns_from == data.targets]
+        fix = f"use data={or_list(fits)}" if fits else "no registered dataset gives them"
+        fix += f", or task={or_list(other)}" if other else ""
+        gives = f"gives {kind(data.targets)} and task={task.name} learns from {kind(task.learns_from)}"
+        raise ConfigError("data", name, f"{gives}: {fix}")
+    if data.inputs != model.reads:
+        fits = [n for n, entry in models.items() if entry.reads == data.inputs]
+        fix = f"use model={or_list(fits)}" if fits else "no registered model reads them"
+        raise ConfigError("model", arch, f"reads {kind(model.reads)}, and data={name} gives {kind(data.inputs)}: {fix}")
     if cfg.objective is not None and task.metric(cfg.objective) is None:
         names = ", ".join(m.name for m in task.metrics)
         raise ConfigError(
             "objective", cfg.objective, f"task={task.name} reports {names} and train/loss (null: {task.objective})"
         )
+
+
+def kind(name: str) -> str:
+    return KINDS.get(name, name)
+
+
+def or_list(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def check_workers(data: DictConfig) -> None:

@@ -90,6 +90,9 @@ class ConstantSchedule:
 @dataclass
 class CosineSchedule(ConstantSchedule):
     min_lr_ratio: Annotated[float, Spec(low=0, high=1, doc="the final lr over the peak lr")]
+    total_steps: Annotated[
+        int | None, Spec(low=1, doc="the steps the cosine decays over; null: trainer.max_steps (on resume: as before)")
+    ]
 
 
 SCHEDULES: dict[str, type] = {"constant": ConstantSchedule, "cosine": CosineSchedule}

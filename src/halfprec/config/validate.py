@@ -37,6 +37,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("_target_", "lr", "clip_grad_norm"):  # the optimizer's own arguments: validate_optimizer
         check_value(f"optim.{key}", cfg.optim.get(key), optim[key])
     rules.check_precision(cfg.precision, cfg.trainer.distributed)
+    rules.check_scaler(cfg.scaler)
     rules.check_launch(cfg.trainer.distributed)
     rules.check_diagnostics(cfg.diagnostics)
     # the components come last: their schemas are the arguments of registered factories, which
@@ -57,7 +58,6 @@ def validate_components(cfg: DictConfig) -> None:
     from halfprec.components.init import INIT_SCHEMES
     from halfprec.components.models import MODELS  # light: factories import timm lazily
     from halfprec.components.tasks import TASKS
-    from halfprec.components.text import TOKEN_DATASETS
     from halfprec.numerics.rounding import ROUNDING_RULES
 
     # types built at run time from a registry: values to mypy (annotated, so not read as type aliases)
@@ -67,8 +67,8 @@ def validate_components(cfg: DictConfig) -> None:
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
     check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
     name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")
-    rules.check_task(cfg, TASKS[task], name in TOKEN_DATASETS)
     arch = chosen(cfg, "model.arch", MODELS, "models registered in halfprec.components.models")
+    rules.check_fit(cfg, TASKS[task], DATASETS, TASKS, MODELS)  # before data.*, which may read model.*
     factory = MODELS[arch].factory
     check_node(
         cfg.model, factory, "model", f"model.arch={arch}", extra=("arch",), hidden=("input_shape", "num_classes")
@@ -80,7 +80,7 @@ def validate_components(cfg: DictConfig) -> None:
         check_value("init.scalar_lr_scale", cfg.init.get("scalar_lr_scale"), SCALAR_LR_SCALE)
     rules.check_residual(cfg.init, arch, MODELS)
     check_value("data.batch_size", cfg.data.get("batch_size"), BATCH_SIZE)
-    check_node(cfg.data, DATASETS[name], "data", f"data={name}", extra=("name", "batch_size"))
+    check_node(cfg.data, DATASETS[name].load, "data", f"data={name}", extra=("name", "batch_size"))
     rules.check_workers(cfg.data)
 
 
@@ -109,5 +109,21 @@ def validate_optimizer(cfg: DictConfig) -> None:
             "must be a torch.optim.Optimizer subclass: master weights, skipped steps and checkpoints "
             "rely on its param_groups and state_dict",
         )
-    allowed = ["_target_", "clip_grad_norm", *(p for p in inspect.signature(cls).parameters if p != "params")]
+    signature = inspect.signature(cls).parameters
+    allowed = ["_target_", "clip_grad_norm", *(p for p in signature if p != "params")]
     known_keys(cfg.optim, "optim", allowed, cls.__name__)
+    for key, value in cfg.optim.items():
+        if key in signature:
+            check_like_default(f"optim.{key}", value, signature[key].default, cls.__name__)
+
+
+def check_like_default(key: str, value: Any, default: Any, owner: str) -> None:
+    """An argument whose default is a tuple (AdamW's betas) takes as many values: a single number
+    would otherwise be a TypeError inside the optimizer that names no key."""
+    if not isinstance(default, tuple) or value is None:
+        return
+    value = OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
+    if not isinstance(value, list | tuple) or len(value) != len(default):
+        shown = ",".join(map(str, default))
+        fix = f"{owner} takes {len(default)} values here, as its default ({shown}): write {key}=[{shown}]"
+        raise ConfigError(key, value, fix)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import os
 import re
+import shutil
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,6 +32,7 @@ CONFIG = 2  # a config value, key or option that cannot work
 TRAINING_STOPPED = 3  # diverged (skip storm, scale floor, overflow rate, non-finite loss) or wrong precision
 SIGNAL = 4  # SIGTERM, SIGUSR1 or the first Ctrl-C: a checkpoint was saved, the run can resume
 SWEEP_FAILED = 5  # a multirun in which some job failed or diverged (sweep.jsonl says which and why)
+FILES = 6  # a file the run writes or reads failed: a full disk, no permission, a run dir that cannot be made
 INTERRUPTED = 130  # a second Ctrl-C: quit at once, as shells report SIGINT
 
 # The user-facing errors, most specific first: (class, exit code, prefix of the printed line).
@@ -40,6 +43,20 @@ FAILURES: tuple[tuple[type[BaseException], int, str], ...] = (
     (PrecisionMismatch, TRAINING_STOPPED, "error: training stopped"),
     (Preempted, SIGNAL, "stopped"),
 )
+
+
+_FULL = "; free some space, or set hydra.run.dir to another disk"
+_DENIED = "; set hydra.run.dir to a directory you can write"
+FILE_ADVICE = {
+    errno.ENOSPC: _FULL,
+    errno.EDQUOT: _FULL,
+    errno.EFBIG: _FULL,
+    errno.EACCES: _DENIED,
+    errno.EPERM: _DENIED,
+    errno.EROFS: _DENIED,
+    errno.ENOTDIR: "; a part of that path is a file, not a directory: set hydra.run.dir to another path",
+    errno.ENOENT: "; no such directory, and it cannot be made there: set hydra.run.dir to another path",
+}
 
 
 class SweepStopped(SystemExit):
@@ -56,6 +73,8 @@ def failure_line(err: BaseException) -> tuple[int, str] | None:
     for cls, code, prefix in FAILURES:
         if isinstance(err, cls):
             return code, f"{prefix}: {err}"
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:  # errors.naming gives one its path
+        return FILES, f"error: {err.filename}: {err.strerror}{FILE_ADVICE.get(err.errno or 0, '')}"
     if isinstance(err, OmegaConfBaseException):  # an interpolation that cannot resolve: ${model.block_size}
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         key = getattr(err, "full_key", None)
@@ -83,7 +102,21 @@ def job_errors() -> Iterator[None]:
         if known is None or in_sweep():
             raise
         print(known[1], file=sys.stderr)
+        if known[0] == CONFIG:
+            remove_unused_run_dir()
         raise SystemExit(known[0]) from None
+
+
+def remove_unused_run_dir() -> None:
+    """A config error stops a run before it writes anything: the run dir Hydra made for it would
+    hold .hydra/ alone (and `halfprec report` count it as running). A dir with anything else in it
+    (a resumed run's checkpoints) stays. A multirun's job dirs stay too: sweep.jsonl names them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - {".hydra"}:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def run_cli(main: Callable[[], Any], conf_dir: Path, argv: list[str]) -> int:
@@ -148,6 +181,8 @@ def _end_of_sweep(code: int) -> int:
 # Hydra's own errors, reworded. Hydra's messages span many lines (every option of a group, the
 # config search path, advice to add '+'); ours name the key, the value and what would work.
 NOT_IN_CONFIG = re.compile(r"Could not override '([^']+)'\.\s*To append to your config use \+(\S+)")
+AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^'=]+)=([^']*)'")
+NOT_IN_DEFAULTS = re.compile(r"Could not override '([^']+)'\. No match in the defaults list")
 
 
 def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[int, str] | None:
@@ -165,6 +200,18 @@ def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[i
     found = NOT_IN_CONFIG.search(str(err))
     if found:
         return CONFIG, "error: " + unknown_key(found.group(1), found.group(2), conf_dir, argv)
+    found = AMBIGUOUS.search(str(err))
+    if found:  # a comma list without -m: Hydra's own hint (add --multirun) was the last of its lines
+        key, value = found.groups()
+        return CONFIG, (
+            f"error: {key}={value}: a comma list is a sweep: add -m (python train.py -m {key}={value}); "
+            f"a list value is {key}=[{value}]"
+        )
+    found = NOT_IN_DEFAULTS.search(str(err))
+    if found and (conf_dir / found.group(1)).is_dir():  # a group train.yaml does not choose: experiment
+        group = found.group(1)
+        value = next((o.split("=", 1)[1] for o in argv if o.split("=", 1)[0] == group), "<option>")
+        return CONFIG, f"error: {group}={value}: {group} is not in train.yaml's defaults: add it with +{group}={value}"
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     cause = str(err.__cause__).strip().splitlines()[0] if err.__cause__ else ""
     return CONFIG, f"error: {first}" + (f" ({cause})" if cause and cause not in first else "")

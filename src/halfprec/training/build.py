@@ -17,7 +17,7 @@ from halfprec.components.data import Dataset, build_dataset
 from halfprec.components.init import apply_init
 from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
-from halfprec.config import resolve_device, validate, validate_optimizer
+from halfprec.config import resolve_device
 from halfprec.errors import ConfigError
 from halfprec.numerics.params import ParamStrategy, build_params
 from halfprec.numerics.policy import PrecisionPolicy
@@ -53,19 +53,32 @@ def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) ->
         raise ConfigError("optim", cfg.optim._target_, f"{type(cause).__name__}: {cause}") from None
 
 
+def lr_factor(step: int, name: str, warmup: int, total: int, low: float) -> float:
+    """The lr over optim.lr at scheduler step `step`: linear warmup, then constant, or a cosine from
+    1 down to `low` (sched.min_lr_ratio) at step `total` (sched.total_steps), and `low` after it."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedule_args(cfg: DictConfig) -> tuple[str, int, int, float]:
+    """lr_factor's arguments from the config (sched.total_steps: null is trainer.max_steps; run()
+    fills it in, from the checkpoint on resume)."""
+    sched = cfg.sched
+    total = sched.get("total_steps") or cfg.trainer.max_steps
+    return sched.name, sched.warmup_steps, total, sched.get("min_lr_ratio", 0.0)
+
+
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    # Plain floats, read once: LambdaLR calls `factor` every step, and each DictConfig lookup costs
+    # Plain values, read once: LambdaLR calls `factor` every step, and each DictConfig lookup costs
     # ~10 us (measured: the lookups were a tenth of a 1 ms MLP step).
-    warmup, total, name = cfg.sched.warmup_steps, cfg.trainer.max_steps, cfg.sched.name
-    low = cfg.sched.get("min_lr_ratio", 0.0)
+    args = schedule_args(cfg)
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if name == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr_factor(step, *args)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -89,9 +102,8 @@ class Components:
 
 
 def build(cfg: DictConfig, world: World | None = None) -> Components:
-    """Validate `cfg`, seed, and build model, precision policy, optimizer, schedule and scaler."""
-    validate(cfg)
-    validate_optimizer(cfg)
+    """Seed, and build model, precision policy, optimizer, schedule and scaler from a validated config
+    (run() validates first; a notebook or a test calls halfprec.config.validate(cfg) itself)."""
     world = world or World()
     device = resolve_device(cfg)
     if device.type == "cuda" and world.enabled:

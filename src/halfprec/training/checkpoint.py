@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from halfprec.components.data import TrainBatches
-from halfprec.errors import ConfigError
+from halfprec.errors import ConfigError, naming, show_value
 from halfprec.training import distributed
 from halfprec.training.build import Components
 from halfprec.training.metrics import LoopState
@@ -34,13 +34,17 @@ CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
 # Config keys that may differ on resume: they change how long or how visibly the run goes on,
 # not what a step computes. Anything else (model, precision, data, optimizer, ...) is an error.
+# sched.total_steps is the exception: allowed, and run() says what the lr then does.
 RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
                      "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
                      "trainer.threads", "data.num_workers", "scaler.max_consecutive_skips",
-                     "scaler.max_overflow_rate", "logger")  # fmt: skip
+                     "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps")  # fmt: skip
 # Keys added after checkpoints were first written, with the value every older version behaved as:
 # a checkpoint whose config lacks the key resumes when the run asks for that value.
 IMPLIED_BY_OLDER_CHECKPOINTS = {"task.name": "classification"}
+# What a run is. A checkpoint that differs in any of them is another run's: said first, all at once,
+# rather than the first detail that differs (data.batch_size of a language model's checkpoint).
+IDENTITY = ("task.name", "model.arch", "data.name", "precision.name", "optim._target_")
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
@@ -60,11 +64,15 @@ def checkpoint_step(path: Path) -> int:
 def save_atomic(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # a full disk, a kill of the save: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        raise naming(err, path) from None
     dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(dir_fd)
@@ -144,9 +152,23 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+def schedule_horizon(config: dict) -> int:
+    """The steps a saved config's lr schedule runs over (checkpoints from before sched.total_steps:
+    trainer.max_steps)."""
+    return config["sched"].get("total_steps") or config["trainer"]["max_steps"]
+
+
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
     old, new = {**IMPLIED_BY_OLDER_CHECKPOINTS, **_flatten(saved)}, _flatten(current)
+    if "sched.total_steps" in new and "sched.total_steps" not in old:
+        old["sched.total_steps"] = schedule_horizon(saved)
+    other = [key for key in IDENTITY if old.get(key) != new.get(key)]
+    if other:
+        was = ", ".join(f"{key}={show_value(old.get(key))}" for key in other)
+        now = ", ".join(f"{key}={show_value(new.get(key))}" for key in other)
+        fix = f"a checkpoint of another run: trained with {was}, where this run has {now}"
+        raise ConfigError("resume", str(path), f"{fix}; resume with the overrides it was started with")
     notes = []
     for key in sorted(old.keys() | new.keys()):
         if old.get(key) == new.get(key):
@@ -196,6 +218,12 @@ def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
         c.params.load_optimizer_state(c.optimizer, ckpt["optimizer"])
     c.params.load_state_dict(ckpt["params"])
     c.scheduler.load_state_dict(ckpt["scheduler"])
+    # the lr of the next step from this run's schedule, not the one the optimizer's state saved: they
+    # differ when sched.total_steps changed (the same number otherwise)
+    scheduler = c.scheduler
+    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)  # build_scheduler's
+    for group, base, factor in zip(c.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
     c.scaler.load_state_dict(ckpt["scaler"])
     batches.load_state_dict(ckpt["data"])
     set_rng_state(ckpt["rng"])

@@ -30,7 +30,8 @@ def train_loop(
     saver = Checkpointer(cfg, c, batches, loop, tracker, ckpt_dir, hold=stop.holding)
     abort_on_nonfinite = t.nonfinite == "abort" and c.scaler.kind == "none"
     c.model.train()
-    with Progress(t.max_steps, enabled=t.progress and c.world.is_main) as progress, stop:
+    objective = cfg.objective if str(cfg.objective).startswith("val/") else c.task.objective
+    with Progress(t.max_steps, enabled=t.progress and c.world.is_main, shown=objective) as progress, stop:
         for step in range(loop.step + 1, t.max_steps + 1):
             loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]

@@ -29,11 +29,14 @@ def fmt_scale(scale: float) -> str:
     return f"2^{int(exponent)}" if exponent == int(exponent) else f"{scale:.3g}"
 
 
-def status_text(metrics: dict, scaler) -> str:
-    """What the bar shows beside the step count, short enough for an 80-column terminal."""
+def status_text(metrics: dict, scaler, shown: str = "val/acc") -> str:
+    """What the bar shows beside the step count, short enough for an 80-column terminal: the train
+    loss and the validation metric `shown` (the task's objective: val/acc, val/loss as `val`)."""
     text = f"loss {fmt(metrics.get('train/loss'))}"
-    if "val/acc" in metrics:
-        text += f" acc {metrics['val/acc']:.3f}"
+    if shown in metrics:
+        label = "val" if shown == "val/loss" else shown.removeprefix("val/")
+        value = metrics[shown]
+        text += f" {label} {value:.3f}" if shown == "val/acc" else f" {label} {fmt(value)}"
     if scaler.kind != "none":
         text += f" scale {fmt_scale(scaler.scale)}"
     if scaler.skipped_steps:
@@ -42,8 +45,15 @@ def status_text(metrics: dict, scaler) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True, plain_every: int = 10, console: Console | None = None):
-        self.total = total
+    def __init__(
+        self,
+        total: int,
+        enabled: bool = True,
+        plain_every: int = 10,
+        console: Console | None = None,
+        shown: str = "val/acc",
+    ):
+        self.total, self.shown = total, shown
         self.terminal = enabled and (console is not None or sys.stderr.isatty())
         self.plain = enabled and not self.terminal
         self.plain_every = max(1, total // plain_every)  # about ten lines per run in a log file
@@ -76,7 +86,7 @@ class Progress:
             self._bar.stop()
 
     def update(self, step: int, metrics: dict, scaler) -> None:
-        status = status_text(metrics, scaler)
+        status = status_text(metrics, scaler, self.shown)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, status=status)
         elif self.plain and (step >= self._next_plain or step == self.total):

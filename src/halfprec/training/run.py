@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from halfprec.config import resolve_device
-from halfprec.errors import Interrupted, Preempted
+from halfprec.config import resolve_device, validate, validate_optimizer, warnings
+from halfprec.errors import Interrupted, Preempted, naming
 from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted
 from halfprec.training import distributed
-from halfprec.training.build import Components, build
+from halfprec.training.build import Components, build, lr_factor, schedule_args
 from halfprec.training.checkpoint import (
     check_resume_config,
     checkpoint_files,
@@ -24,6 +24,7 @@ from halfprec.training.checkpoint import (
     find_resume_checkpoint,
     load_checkpoint,
     restore,
+    schedule_horizon,
 )
 from halfprec.training.distributed import World
 from halfprec.training.loop import train_loop
@@ -33,8 +34,12 @@ from halfprec.training.signals import resume_command
 from halfprec.training.tracking import Tracker, build_tracker, saved_config
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics."""
+def run(cfg: DictConfig, run_dir: str | Path, validated: bool = False) -> dict:
+    """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics.
+    `validated`: the caller has run halfprec.config.validate(cfg) (train.py does, before importing torch)."""
+    if not validated:
+        validate(cfg)  # a bad value fails before any process group, checkpoint, data or model
+    validate_optimizer(cfg)
     set_threads(cfg)
     world = distributed.init(cfg.trainer.distributed, resolve_device(cfg).type)
     try:
@@ -61,7 +66,9 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Pat
     if path is None:
         return None, None
     ckpt = load_checkpoint(path)
-    for note in check_resume_config(ckpt["config"], saved_config(cfg), path):
+    set_horizon(cfg, ckpt)
+    notes = [*check_resume_config(ckpt["config"], saved_config(cfg), path), lr_note(cfg, ckpt)]
+    for note in filter(None, notes):
         print(f"resume: {note}", file=sys.stderr)
     if world.is_main and ckpt.get("world_size", 1) != world.size:
         print(
@@ -72,9 +79,43 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Pat
     return path, ckpt
 
 
+def set_horizon(cfg: DictConfig, ckpt: dict | None) -> None:
+    """sched.total_steps: null becomes the steps the cosine runs over: trainer.max_steps, or on
+    resume the horizon the run started with, so that a longer trainer.max_steps does not restart
+    the decay. Written into the config, so W&B and checkpoints record it."""
+    if cfg.sched.name != "cosine" or cfg.sched.get("total_steps") is not None:
+        return
+    with open_dict(cfg):
+        cfg.sched.total_steps = schedule_horizon(ckpt["config"]) if ckpt else cfg.trainer.max_steps
+
+
+def lr_note(cfg: DictConfig, ckpt: dict) -> str | None:
+    """What the lr does from the checkpoint on, when the horizon changed or the run outgrows it."""
+    if cfg.sched.name != "cosine":
+        return None
+    name, warmup, total, low = schedule_args(cfg)
+    before, step = schedule_horizon(ckpt["config"]), ckpt["scheduler"]["last_epoch"]  # steps taken (skips aside)
+    lr = cfg.optim.lr
+    last = lr * lr_factor(step - 1, name, warmup, before, low)
+    if total != before:
+        new = lr * lr_factor(step, name, warmup, total, low)
+        return f"sched.total_steps {before} -> {total}: the lr goes from {last:.3g} at the checkpoint to {new:.3g}"
+    if cfg.trainer.max_steps <= total:
+        return None
+    longer = lr * lr_factor(step, name, warmup, cfg.trainer.max_steps, low)
+    return (
+        f"the cosine keeps its horizon of {total} steps: past them the lr stays at {lr * low:.3g} (its end); "
+        f"add sched.total_steps={cfg.trainer.max_steps} to decay over the new length (the lr goes from {last:.3g} "
+        f"to {longer:.3g})"
+    )
+
+
 def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int) -> None:
-    """Once everything is built: where this run writes, and where it continues from."""
+    """Once everything is built: where this run writes, and where it continues from; then the
+    settings that work but rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
+    for line in warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     if resumed_from is not None:
         print(f"resume: from {resumed_from} at step {step} of {cfg.trainer.max_steps}", file=sys.stderr)
     elif cfg.resume is not None:
@@ -88,6 +129,7 @@ def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: i
 
 def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     path, ckpt = resume_checkpoint(cfg, run_dir, world)
+    set_horizon(cfg, ckpt)
     c = build(cfg, world)
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
@@ -108,14 +150,20 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
         summary = end_summary(cfg, c, loop, status, code, time.perf_counter() - start)
         summary["error"] = str(err)  # all of it: the culprit, the scale history, the crash checkpoint
         raise
+    except OSError as err:  # the run dir cannot be written (a full disk): one line, exit 6 (launch/exits.py)
+        summary = end_summary(cfg, c, loop, "failed", 6, time.perf_counter() - start)
+        summary["error"] = f"{type(err).__name__}: {err}"
+        raise
     except KeyboardInterrupt:  # a second Ctrl-C (StopSignals): say what is on disk, exit 130
         summary = end_summary(cfg, c, loop, "interrupted", 130, time.perf_counter() - start)
         summary["error"] = interrupted_line(loop.step, run_dir, world)
         raise Interrupted(summary["error"]) from None
     finally:
-        if world.is_main and summary.get("status"):
-            write_summary(run_dir / "summary.json", summary)
-        tracker.finish(summary)
+        try:
+            if world.is_main and summary.get("status"):
+                write_summary(run_dir / "summary.json", summary)
+        finally:
+            tracker.finish(summary)  # W&B's run ends, even when the disk refused summary.json
     return summary
 
 
@@ -156,7 +204,10 @@ def end_summary(cfg: DictConfig, c: Components, loop: LoopState, status: str, ex
 def write_summary(path: Path, summary: dict) -> None:
     # strict JSON, as metrics.jsonl: a non-finite number (a diverged loss) is written as null
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
-    path.write_text(json.dumps(clean, indent=1, allow_nan=False) + "\n")
+    try:
+        path.write_text(json.dumps(clean, indent=1, allow_nan=False) + "\n")
+    except OSError as err:
+        raise naming(err, path) from None
 
 
 def complete(cfg: DictConfig, c: Components, loop: LoopState, run_dir: Path, steps: int, wall_s: float) -> dict:

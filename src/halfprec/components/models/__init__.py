@@ -20,6 +20,7 @@ from torch import nn
 class ModelEntry:
     factory: Callable[..., nn.Module]
     residual: bool  # has residual branches, so init=fixup applies
+    reads: str  # its inputs: "tensors" (images, feature vectors) or "tokens"; the data's must match
 
     def arguments(self) -> list[str]:
         skip = {"input_shape", "num_classes"}
@@ -29,9 +30,9 @@ class ModelEntry:
 MODELS: dict[str, ModelEntry] = {}
 
 
-def register_model(name: str, residual: bool = False):
+def register_model(name: str, residual: bool = False, reads: str = "tensors"):
     def add(factory):
-        MODELS[name] = ModelEntry(factory, residual)
+        MODELS[name] = ModelEntry(factory, residual, reads)
         return factory
 
     return add

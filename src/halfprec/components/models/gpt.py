@@ -114,7 +114,7 @@ class GPT(nn.Module):
         return [layer for block in blocks for layer in (block.attn.proj, block.mlp.proj)]
 
 
-@register_model("gpt")
+@register_model("gpt", reads="tokens")
 def create_gpt(
     input_shape: tuple[int, ...],
     num_classes: int,

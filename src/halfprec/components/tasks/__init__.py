@@ -56,7 +56,7 @@ class Task:
     name = ""
     metrics: tuple[Metric, ...] = ()  # the val/* values its evaluator reports
     objective = "val/loss"  # what `objective: null` means: the metric a sweeper optimizes by default
-    needs_tokens = False  # a task over token sequences (the datasets of components/text.py)
+    learns_from = "classes"  # the targets it needs: a registered dataset's `targets` (components/data.py)
 
     @classmethod
     def metric(cls, name: str) -> Metric | None:

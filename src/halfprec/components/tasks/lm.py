@@ -45,7 +45,7 @@ class LanguageModelling(Task):
     name = "lm"
     # val/bpb where the dataset knows its bytes per token; val/ppl is val/loss again, exponentiated
     metrics = (Metric("val/loss"), Metric("val/bpb"), Metric("val/ppl", fmt=".4g", column=False))
-    needs_tokens = True
+    learns_from = "tokens"
 
     def __init__(
         self,
