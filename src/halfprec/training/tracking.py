@@ -6,12 +6,19 @@ import json
 import math
 import os
 import re
+import secrets
+import string
 import sys
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from halfprec.errors import naming
 
 
 @dataclass
@@ -44,11 +51,17 @@ class JsonlSink:
             for k, v in row.items()
             if not isinstance(v, Histogram)
         }
-        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as err:  # a full disk: the error names the file (exit 6, launch/exits.py)
+            raise naming(err, self.path) from None
 
     def finish(self, summary: dict[str, Any]) -> None:
-        self._file.close()
+        try:
+            self._file.close()  # after a refused write, the close flushes what is left of it again
+        except OSError as err:
+            raise naming(err, self.path) from None
 
 
 SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
@@ -77,16 +90,37 @@ def _row_step(line: str) -> float:
         return float("inf")
 
 
+# W&B's own wandb.init timeout is 90 s. It no longer holds training up (see WandbSink), but a run
+# shorter than it that has no network still waits for it at the end, before its warning.
+START_TIMEOUT_S = 30.0
+START_GRACE_S = 15.0  # W&B's own 10 s beyond init_timeout, and `import wandb`
+NOTICE_AFTER_S = 5.0  # finish says why it waits once the wait is longer than an offline start takes
+QUIT_WAIT_S = 2.0  # after a second Ctrl-C: enough for an offline run that is nearly up
+# wandb.init, or the finish of a run given up on, one at a time: consecutive multirun jobs share
+# this process, and reinit="finish_previous" must see the previous job's run finished, not half up.
+_START_LOCK = threading.Lock()
+
+
+class WandbStartFailed(Exception):
+    """wandb.init failed, or gave no answer in time: the sink has no run and is dropped."""
+
+
 class WandbSink:
-    """A W&B run under `<run dir>/wandb/`, carrying the resolved config, finished exactly once."""
+    """A W&B run under `<run dir>/wandb/`, carrying the resolved config, finished exactly once.
+
+    `import wandb` and wandb.init take seconds (minutes without network), so they run in a
+    background thread and training starts at once: rows logged meanwhile are kept, in order, and
+    sent by the first log after the run is up. Only finish waits for it. The run id is chosen
+    here, so a checkpoint can record it before the run is up."""
 
     def __init__(
         self, cfg: DictConfig, run_dir: Path, name: str, group: str | None, tags: list[str], run_id: str | None
     ):
-        import wandb  # only when the logger is on
-
-        self.run = wandb.init(
-            id=run_id,
+        # a sweep agent passes its run's id in $WANDB_RUN_ID (wandb.init ignores id= in a sweep)
+        env_id = os.environ.get("WANDB_RUN_ID")
+        self.id = run_id or env_id or new_run_id()
+        init_args = dict(
+            id=run_id or (None if env_id else self.id),
             resume="allow" if run_id else None,
             reinit="finish_previous",  # one run per multirun job, even after a job that failed
             project=cfg.logger.project,
@@ -98,37 +132,128 @@ class WandbSink:
             job_type=cfg.logger.job_type,
             tags=[*tags, *cfg.logger.tags],
             config=saved_config(cfg),
-            settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
         )
-        # `step` is the x-axis of every chart. Logging it as a metric (rather than log(step=))
-        # commits each row at once, so the summary written at the end is the last word.
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
+        self._pending: deque[dict[str, Any]] = deque()  # rows logged before the run is up
+        self._run: Any = None
+        self._error: BaseException | None = None
+        self._given_up = False
+        self._lock = threading.Lock()  # _run and _given_up: whichever comes second finishes the run
+        self._ready = threading.Event()  # set when wandb.init has returned or failed
+        self._t0 = time.monotonic()
+        # a daemon: a crash or Ctrl-C during wandb.init does not keep the process alive
+        self._thread = threading.Thread(target=self._start, args=(init_args,), name="wandb-init", daemon=True)
+        self._thread.start()
+
+    def _start(self, init_args: dict[str, Any]) -> None:
+        try:
+            import wandb  # only when the logger is on
+
+            settings = wandb.Settings(console="off", x_disable_stats=True, quiet=True)
+            if "WANDB_INIT_TIMEOUT" not in os.environ:  # the user's own timeout wins
+                settings.init_timeout = START_TIMEOUT_S
+            with _START_LOCK:
+                run = wandb.init(**init_args, settings=settings)
+                # `step` is the x-axis of every chart. Logging it as a metric (rather than log(step=))
+                # commits each row at once, so the summary written at the end is the last word.
+                run.define_metric("step")
+                run.define_metric("*", step_metric="step")
+                with self._lock:
+                    self._run, given_up = run, self._given_up
+                if given_up:  # finish gave up waiting, or a log failed meanwhile
+                    run.finish(exit_code=1)
+        except BaseException as err:  # reported by the next log or finish, in the main thread
+            self._error = err
+        finally:
+            self._ready.set()
+
+    def _started(self, wait_s: float = 0.0) -> Any:
+        """The W&B run once it is up, None while wandb.init runs; raises WandbStartFailed if it failed."""
+        if not self._ready.wait(wait_s):
+            return None
+        if self._run is None:
+            err = self._error
+            cause = f"{type(err).__name__}: {one_line(err)}" if err else "no run"
+            raise WandbStartFailed(f"W&B could not start ({cause}); metrics go to metrics.jsonl only")
+        return self._run
+
+    def _left_s(self) -> float:
+        """How long wandb.init may still take: its timeout, W&B's 10 s of grace beyond it, the import."""
+        timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", START_TIMEOUT_S))
+        return max(self._t0 + timeout + START_GRACE_S - time.monotonic(), QUIT_WAIT_S)
+
+    def _await_start(self, wait_s: float) -> Any:
+        """The run, waiting up to `wait_s` for it (saying so when that is long: the run is over)."""
+        run = self._started(min(wait_s, NOTICE_AFTER_S))
+        if run is None and wait_s > NOTICE_AFTER_S:
+            print(
+                f"W&B is still starting; waiting up to {wait_s - NOTICE_AFTER_S:.0f} s more for it "
+                "(Ctrl-C: quit without it; metrics.jsonl has every row)",
+                file=sys.stderr,
+                flush=True,
+            )
+            run = self._started(wait_s - NOTICE_AFTER_S)
+        if run is None:
+            waited = f"no answer in {time.monotonic() - self._t0:.0f} s"
+            raise WandbStartFailed(f"W&B could not start ({waited}); metrics go to metrics.jsonl only")
+        return run
+
+    @property
+    def run_id(self) -> str | None:
+        """The id checkpoints record: the run's own once it is up, None if it never came up."""
+        if not self._ready.is_set():
+            return self.id
+        return self._run.id if self._run is not None else None
 
     def log(self, row: dict[str, Any]) -> None:
+        self._pending.append(row)
+        run = self._started()
+        if run is not None:
+            self._send(run)
+
+    def _send(self, run: Any) -> None:
         import wandb
 
-        self.run.log(
-            {
-                # wandb annotates np_histogram as two ndarrays; it takes lists too (it calls .tolist() if there)
-                k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v  # type: ignore[arg-type]
-                for k, v in row.items()
-            }
-        )
+        while self._pending:
+            row = self._pending.popleft()
+            run.log(
+                {
+                    # wandb annotates np_histogram as two ndarrays; it takes lists too (it calls .tolist() if there)
+                    k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v  # type: ignore[arg-type]
+                    for k, v in row.items()
+                }
+            )
 
     def abandon(self) -> None:
-        """Close a run that failed, so that the next wandb.init in this process starts afresh."""
+        """Close a run that failed, so that the next wandb.init in this process starts afresh; a run
+        still starting is closed by its thread once it is up. Never waits for wandb.init."""
+        with self._lock:
+            self._given_up, run = True, self._run
+        if run is None:
+            return
         try:
-            self.run.finish(exit_code=1)
+            run.finish(exit_code=1)
         except Exception:  # it already failed once; this is best effort
             pass
 
     def finish(self, summary: dict[str, Any]) -> None:
+        # a second Ctrl-C quits at once: a run not up by then is left to its (daemon) thread
+        run = self._await_start(QUIT_WAIT_S if summary.get("status") == "interrupted" else self._left_s())
+        self._send(run)
         stopped = summary.get("status") == "stopped"  # a stop signal after a checkpoint: resumable, not failed
         if stopped:
-            self.run.mark_preempting()
-        self.run.summary.update(summary)
-        self.run.finish(exit_code=0 if stopped else summary.get("exit_code", 0))
+            run.mark_preempting()
+        run.summary.update(summary)
+        run.finish(exit_code=0 if stopped else summary.get("exit_code", 0))
+
+
+def new_run_id() -> str:
+    """A W&B run id as wandb.util.generate_id makes it (8 of a-z0-9), without importing wandb."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def one_line(err: BaseException) -> str:
+    """An error's first line: wandb's CommError goes on with advice over two more."""
+    return (str(err).strip().splitlines() or [""])[0]
 
 
 class Tracker:
@@ -145,13 +270,16 @@ class Tracker:
             except Exception as err:  # any logger failure but metrics.jsonl's must not stop training
                 if isinstance(sink, JsonlSink):
                     raise
-                warn(f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); continuing without it")
+                if isinstance(err, WandbStartFailed):
+                    warn(str(err))
+                else:
+                    warn(f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); continuing without it")
                 self.sinks.remove(sink)
                 sink.abandon()
 
     @property
     def wandb_id(self) -> str | None:
-        return next((s.run.id for s in self.sinks if isinstance(s, WandbSink)), None)
+        return next((s.run_id for s in self.sinks if isinstance(s, WandbSink)), None)
 
     def log(self, row: dict[str, Any]) -> None:
         self._guarded("log", row)
@@ -194,5 +322,5 @@ def build_tracker(
         try:
             sinks.append(WandbSink(cfg, run_dir, name, group, tags, wandb_id))
         except Exception as err:  # no account, no network, broken install: train anyway
-            warn(f"W&B could not start ({type(err).__name__}: {err}); metrics go to metrics.jsonl only")
+            warn(f"W&B could not start ({type(err).__name__}: {one_line(err)}); metrics go to metrics.jsonl only")
     return Tracker(sinks)
