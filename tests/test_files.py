@@ -78,3 +78,14 @@ def test_a_config_error_leaves_no_run_dir_but_keeps_one_that_holds_a_run(tmp_pat
     assert train(tmp_path / "kept", "trainer.max_steps=2").returncode == 0
     again = train(tmp_path / "kept", "accum=0", "resume=auto")
     assert again.returncode == 2 and (tmp_path / "kept" / "checkpoints").is_dir()
+
+
+def test_a_metrics_row_the_disk_refuses_names_metrics_jsonl(tmp_path):
+    """Rows are small: a 30 kB limit on file sizes lets the first rows through, then refuses one."""
+    result = train(tmp_path, "trainer.max_steps=300", "trainer.log_every=1", "trainer.ckpt_every=0",
+                   file_limit=30_000)  # fmt: skip
+    assert result.returncode == 6, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'metrics.jsonl'}: File too large; free some space, or set hydra.run.dir to another disk"
+    )
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

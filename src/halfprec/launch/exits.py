@@ -73,8 +73,10 @@ def failure_line(err: BaseException) -> tuple[int, str] | None:
     for cls, code, prefix in FAILURES:
         if isinstance(err, cls):
             return code, f"{prefix}: {err}"
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:  # errors.naming gives one its path
-        return FILES, f"error: {err.filename}: {err.strerror}{FILE_ADVICE.get(err.errno or 0, '')}"
+    if isinstance(err, OSError) and err.strerror and (err.filename is not None or err.errno in FILE_ADVICE):
+        # errors.naming gives ours their path; a write of Hydra's own (.hydra/) comes without one
+        where = err.filename if err.filename is not None else "writing the run dir"
+        return FILES, f"error: {where}: {err.strerror}{FILE_ADVICE.get(err.errno or 0, '')}"
     if isinstance(err, OmegaConfBaseException):  # an interpolation that cannot resolve: ${model.block_size}
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         key = getattr(err, "full_key", None)

@@ -125,7 +125,7 @@ def evaluate(
     if world.size > 1:
         distributed.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     evaluator = task.evaluator(device, data)
-    for inputs, targets in data.val_batches(max(batch_size, 256), device, world.rank, world.size):
+    for inputs, targets in data.val_batches(task.val_batch_size(batch_size), device, world.rank, world.size):
         with policy.autocast():
             evaluator.add(model(policy.cast_input(inputs)), targets)
     model.train()

@@ -70,6 +70,11 @@ class Task:
     def evaluator(self, device: torch.device, data: Dataset) -> Evaluator:
         raise NotImplementedError
 
+    def val_batch_size(self, batch_size: int) -> int:
+        """Samples per validation forward, from the training micro-batch: at least 256, since
+        without gradients a few large forwards are faster than many small ones."""
+        return max(batch_size, 256)
+
     def throughput(self, samples_per_s: float, data: Dataset) -> dict[str, float]:
         """perf/* metrics in the task's own unit, beside perf/samples_per_s."""
         return {}
