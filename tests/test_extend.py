@@ -139,6 +139,7 @@ class DigitValue(Task):
 '''
 
 
+@pytest.mark.slow  # ~10 s: a two-job sweep and a report in the copy
 def test_a_task_is_one_file_plus_a_yaml_and_its_metrics_reach_sweeps_and_reports(fork):
     (fork / "src" / "halfprec" / "components" / "tasks" / "digit_value.py").write_text(MY_TASK)
     (fork / "conf" / "task" / "digit_value.yaml").write_text("# the digit's value as a number\nname: digit_value\n")

@@ -80,6 +80,7 @@ def test_a_config_error_leaves_no_run_dir_but_keeps_one_that_holds_a_run(tmp_pat
     assert again.returncode == 2 and (tmp_path / "kept" / "checkpoints").is_dir()
 
 
+@pytest.mark.slow  # the checkpoint's test above takes the same path; this one, metrics.jsonl's
 def test_a_metrics_row_the_disk_refuses_names_metrics_jsonl(tmp_path):
     """Rows are small: a 30 kB limit on file sizes lets the first rows through, then refuses one."""
     result = train(tmp_path, "trainer.max_steps=300", "trainer.log_every=1", "trainer.ckpt_every=0",

@@ -88,6 +88,7 @@ def test_a_second_ctrl_c_quits_at_once_and_says_what_is_on_disk(tmp_path):
     assert_says_what_is_on_disk(err, tmp_path)
 
 
+@pytest.mark.slow  # ~4 s; the Ctrl-C path itself runs by default in the test above
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="sees pending signals through /proc")
 def test_two_quick_ctrl_c_after_a_checkpoint_quit_and_name_it(tmp_path):
     """Two presses in a row, as a user who means it: Python may run one handler for both."""

@@ -106,6 +106,7 @@ def test_the_handlers_and_the_wakeup_fd_are_put_back():
     assert signal.set_wakeup_fd(wakeup) == wakeup
 
 
+@pytest.mark.slow  # a real run; the handler itself is tested in-process above
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_ctrl_c_twice_at_a_terminal_with_the_progress_bar_quits(tmp_path):
     """As a user types it: the terminal turns each Ctrl-C into a SIGINT for the foreground job,

@@ -100,6 +100,7 @@ def test_a_wandb_init_that_never_returns_neither_holds_training_nor_keeps_the_pr
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r][0] == 1
 
 
+@pytest.mark.slow  # ~7 s: real wandb, waiting out its (shortened) init timeout
 def test_wandb_online_without_network_trains_at_once_and_warns_in_one_line(tmp_path):
     env = {
         **os.environ,
