@@ -4,7 +4,6 @@ which modules stay fp32, and how an optimizer update reaches low-precision param
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from halfprec.errors import ConfigError, PrecisionMismatch
+from halfprec.numerics.formats.casts import quiet_import
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -19,18 +19,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # apex O2 and fairseq keep them in fp32; so do we (`precision.keep_norm_fp32`).
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
-
-
-@contextlib.contextmanager
-def quiet_logger(name: str) -> Iterator[None]:
-    """Only errors from logger `name` while the block runs."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @dataclass
@@ -114,8 +102,8 @@ class PrecisionPolicy:
         (DDP, FSDP2, torch.compile), as torchao asks."""
         if not self.fp8:
             return []
-        with quiet_logger("torch.utils._pytree"):  # torchao registers an Enum torch now supports: a deprecation
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # line, before "run dir:"
+        with quiet_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         # a model may keep layers in higher precision (`fp8_skip`: a GPT's output head, which is
         # tied to its embedding and is where the logits' range matters most)

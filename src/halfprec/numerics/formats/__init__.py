@@ -1,0 +1,120 @@
+"""Number formats, emulated exactly on any device: the values a tensor takes in a format, in
+ordinary floats (docs/design.md, "Number formats").
+
+    from halfprec.numerics.formats import fake_quantize
+    y = fake_quantize(x, "nvfp4")  # blocks of 16 along the last dim, same shape and dtype as x
+
+A format is an element type (formats/elements.py), how many values share a scale along the
+blocked axis (formats/blocks.py), and the kind of scale (formats/scales.py). Each value is divided
+by its block's scale, rounded onto the element (to nearest with ties to even, or stochastically),
+and multiplied back, in fp32. A block that holds inf or NaN comes back NaN: no element type here
+has an infinity, and E8M0's only special value is NaN, so an overflow stays visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from halfprec.numerics.formats import scales
+from halfprec.numerics.formats.blocks import restore, view
+from halfprec.numerics.formats.elements import ELEMENTS, Element
+
+SCALE_BITS = {"fp32": 32, "e8m0": 8, "nvfp4": 8}
+
+
+@dataclass(frozen=True)
+class Format:
+    """`block`: the values per scale along the blocked axis, "row" or "tensor"; `scale`: fp32,
+    e8m0 (a power of two) or nvfp4 (E4M3 per block times one fp32 per tensor); `tile`: the side of
+    the square blocks a weight may take instead (fake_quantize's `tile=True`)."""
+
+    name: str
+    element: Element
+    block: int | str
+    scale: str
+    tile: int | None = None
+
+    @property
+    def bits(self) -> float:
+        """Bits per value, the block scales included (MXFP8 8.25, MXFP4 4.25, NVFP4 4.5)."""
+        per_block = SCALE_BITS[self.scale] / self.block if isinstance(self.block, int) else 0.0
+        return self.element.bits + per_block
+
+
+E = ELEMENTS
+FORMATS = {
+    f.name: f
+    for f in (
+        Format("fp8_e4m3", E["e4m3"], "tensor", "fp32"),  # torchao's tensorwise float8
+        Format("fp8_e5m2", E["e5m2"], "tensor", "fp32"),
+        Format("fp8_e4m3_row", E["e4m3"], "row", "fp32"),  # a scale per row of the blocked axis
+        Format("fp8_e5m2_row", E["e5m2"], "row", "fp32"),
+        Format("fp8_block", E["e4m3"], 128, "fp32", tile=128),  # DeepSeek-V3: 1x128, weights 128x128
+        Format("mxfp8", E["e4m3"], 32, "e8m0"),  # OCP MX v1.0
+        Format("mxfp8_e5m2", E["e5m2"], 32, "e8m0"),
+        Format("mxfp6_e2m3", E["e2m3"], 32, "e8m0"),
+        Format("mxfp6_e3m2", E["e3m2"], 32, "e8m0"),
+        Format("mxfp4", E["e2m1"], 32, "e8m0"),
+        Format("nvfp4", E["e2m1"], 16, "nvfp4", tile=16),  # NVIDIA's: weights 16x16 in its recipe
+    )
+}
+ROUNDINGS = ("nearest", "stochastic")
+SCALE_RULES = ("floor", "rceil")
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    name: str,
+    axis: int = -1,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    tile: bool = False,
+    scale_rule: str = "floor",
+) -> torch.Tensor:
+    """The values `x` takes in format `name`, blocked along `axis`, same shape and dtype.
+
+    Args:
+        rounding: "nearest" (ties to even) or "stochastic" (unbiased; `generator` seeds it).
+        tile: square blocks over the last two dims (the blocked axis moved last), for weights:
+            fp8_block 128x128, nvfp4 16x16.
+        scale_rule: the MX formats' E8M0 scale: "floor" (OCP MX v1.0) or "rceil" (cuBLAS).
+    """
+    fmt = format_named(name)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
+    if tile and fmt.tile is None:
+        raise ValueError(f"{name} has no square blocks: tile=True is for fp8_block and nvfp4")
+    if scale_rule not in SCALE_RULES or (scale_rule != "floor" and fmt.scale != "e8m0"):
+        raise ValueError(f"scale_rule={scale_rule!r}: floor or rceil, for the MX formats' E8M0 scales")
+    size = fmt.tile if tile and fmt.tile else fmt.block
+    blocks, layout = view(x.float(), axis, size, tile)
+    amax = blocks.abs().amax(dim=1, keepdim=True)  # NaN or inf where a block holds one
+    finite = amax.isfinite()
+    amax = torch.where(finite, amax, 0.0)
+    scale = block_scales(fmt, amax, scale_rule)
+    safe = torch.where(scale > 0, scale, 1.0)  # an NVFP4 block scale that underflowed E4M3: zeros
+    scaled = torch.where(finite & (scale > 0), blocks / safe, 0.0)
+    if rounding == "nearest":
+        rounded = fmt.element.nearest(scaled)
+    else:
+        rounded = fmt.element.stochastic(scaled, generator)
+    values = torch.where(finite, rounded * scale, torch.nan)
+    return restore(values, layout).to(x.dtype)
+
+
+def block_scales(fmt: Format, amax: torch.Tensor, rule: str) -> torch.Tensor:
+    """Each block's scale (fp32), from the largest magnitude of its finite values."""
+    if fmt.scale == "e8m0":
+        return scales.e8m0(amax, fmt.element, rule)
+    if fmt.scale == "fp32":
+        return scales.fp32(amax, fmt.element)
+    tensor, block = scales.nvfp4(amax, amax.max())
+    return block * tensor
+
+
+def format_named(name: str) -> Format:
+    if name not in FORMATS:
+        raise ValueError(f"no number format {name!r}: the formats are {', '.join(FORMATS)}")
+    return FORMATS[name]

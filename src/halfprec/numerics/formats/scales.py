@@ -1,0 +1,53 @@
+"""Block scales: the number a block's values are divided by before their elements are rounded.
+
+- E8M0 (the MX formats): a power of two, 2^-127..2^127. OCP MX v1.0 takes
+  2^(floor(log2(amax)) - emax) ("floor": the block's largest value may then saturate to the
+  element's max); cuBLAS and torchao's RCEIL take 2^ceil(log2(amax / max)), so nothing saturates.
+  Exponents come from frexp, exact where a float log2 can round the wrong way near a power of two.
+- fp32: amax / max (the fp8 recipes: per tensor, per row, DeepSeek-V3's 1x128 and 128x128 blocks).
+- NVFP4's two levels: one fp32 scale for the tensor, amax(tensor) / (6 * 448), and per block
+  (amax(block) / 6) / tensor scale rounded to E4M3 (to nearest, subnormals kept: torchao 0.18
+  raises block scales below E4M3's smallest normal to it instead).
+
+A block whose amax is 0 gets a scale its zeros divide by without harm; non-finite blocks are
+handled by the caller (formats/__init__.py: NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from halfprec.numerics.formats.elements import ELEMENTS, Element
+
+E8M0_MIN, E8M0_MAX = -127, 127  # the exponents E8M0 holds (its 255 pattern is NaN)
+
+
+def e8m0(amax: torch.Tensor, element: Element, rule: str = "floor") -> torch.Tensor:
+    """The power-of-two scale of blocks with largest magnitude `amax` (fp32, finite, >= 0)."""
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    if rule == "floor":
+        power = exponent - 1 - element.emax  # floor(log2(amax)) - emax
+    elif rule == "rceil":
+        # amax / max = (mantissa / max_mantissa) * 2^(exponent - max_exponent), the first factor in
+        # (0.5, 2): its log2 rounds up to 1 if the mantissas compare so, else to 0 (compared, not
+        # divided: a quotient just above 1 can round to 1)
+        max_mantissa, max_exponent = (float(v) for v in torch.frexp(torch.tensor(element.max)))
+        power = exponent - int(max_exponent) + (mantissa > max_mantissa).int()
+    else:
+        raise ValueError(f"scale_rule={rule!r}: use floor (OCP MX v1.0) or rceil (cuBLAS, torchao's RCEIL)")
+    power = torch.where(amax > 0, power, E8M0_MIN)  # a block of zeros
+    return torch.exp2(power.clamp(E8M0_MIN, E8M0_MAX).float())
+
+
+def fp32(amax: torch.Tensor, element: Element) -> torch.Tensor:
+    """amax / max, so the block's largest value lands on the element's largest; 1 for a block of zeros."""
+    return torch.where(amax > 0, amax / element.max, 1.0)
+
+
+def nvfp4(amax_blocks: torch.Tensor, amax_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor's fp32 scale, each block's scale as its E4M3 value, in fp32)."""
+    e2m1, e4m3 = ELEMENTS["e2m1"], ELEMENTS["e4m3"]
+    tensor = amax_tensor / (e2m1.max * e4m3.max)
+    safe = torch.where(tensor > 0, tensor, 1.0)
+    block = e4m3.nearest((amax_blocks / e2m1.max) / safe)
+    return tensor, block

@@ -1,0 +1,178 @@
+"""Number formats (halfprec.numerics.formats): values computed by hand on small blocks, then held
+against torchao's own MX and NVFP4 quantizers on random data."""
+
+import math
+
+import pytest
+import torch
+
+from halfprec.numerics.formats import FORMATS, fake_quantize
+from halfprec.numerics.formats.casts import torchao_mx, torchao_nvfp4
+from halfprec.numerics.formats.elements import ELEMENTS
+from halfprec.numerics.formats.hadamard import hadamard, random_hadamard, rotate
+
+
+def block(*values: float, size: int = 32) -> torch.Tensor:
+    """One block of `size` values: the given ones, then zeros (which change no block's amax)."""
+    return torch.tensor([*values, *[0.0] * (size - len(values))])
+
+
+def test_the_element_grids_are_those_of_the_definitions():
+    assert ELEMENTS["e2m1"].grid.tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    e2m3, e3m2 = ELEMENTS["e2m3"].grid, ELEMENTS["e3m2"].grid
+    assert (e2m3[1].item(), e2m3[-1].item(), len(e2m3)) == (0.125, 7.5, 32)  # subnormal step 1/8
+    assert (e3m2[1].item(), e3m2[-1].item(), len(e3m2)) == (0.0625, 28.0, 32)
+    e4m3 = ELEMENTS["e4m3"].grid
+    assert (e4m3[1].item(), e4m3[8].item(), e4m3[-1].item()) == (2**-9, 2**-6, 448.0)  # subnormal, normal, max
+    assert ELEMENTS["e5m2"].grid[-1].item() == 57344.0
+    assert {name: e.emax for name, e in ELEMENTS.items()} == {"e2m1": 2, "e2m3": 2, "e3m2": 4, "e4m3": 8, "e5m2": 15}
+
+
+def test_bits_per_value_count_the_block_scales():
+    bits = {name: f.bits for name, f in FORMATS.items()}
+    assert (bits["mxfp8"], bits["mxfp6_e2m3"], bits["mxfp4"], bits["nvfp4"], bits["fp8_block"]) == (
+        8.25, 6.25, 4.25, 4.5, 8.25,
+    )  # fmt: skip
+
+
+def test_mxfp4_rounds_to_the_nearest_e2m1_value_with_ties_to_even():
+    # amax 6: scale 2^(floor(log2 6) - 2) = 1, so the elements are the values themselves
+    x = block(6.0, 0.1, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.74, -2.9)
+    expected = block(6.0, 0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.5, -3.0)
+    assert torch.equal(fake_quantize(x, "mxfp4"), expected)
+
+
+@pytest.mark.parametrize(
+    "values, floor, rceil",
+    [
+        ([7.0], [6.0], [8.0]),  # floor: scale 2^(2 - 2) = 1, 7 saturates to 6; rceil: 2^ceil(log2 7/6) = 2, 3.5 -> 4
+        ([12.0], [12.0], [12.0]),  # scale 2 both ways: 6 exactly
+        ([0.3], [0.25], [0.25]),  # scale 2^(-2 - 2) = 1/16 both ways: 4.8 -> 4
+        ([448.0, 1.0], [384.0, 0.0], [512.0, 0.0]),  # floor 2^(8-2): 7 -> 6; rceil 2^7: 3.5 -> 4; 1 -> 0
+    ],
+)
+def test_a_blocks_e8m0_scale_comes_from_its_amax(values, floor, rceil):
+    x = block(*values)
+    assert fake_quantize(x, "mxfp4")[: len(values)].tolist() == floor
+    assert fake_quantize(x, "mxfp4", scale_rule="rceil")[: len(values)].tolist() == rceil
+
+
+def test_each_block_has_its_own_scale_and_blocks_run_along_the_axis():
+    x = torch.cat([block(6.0, 1.25), block(0.75, 0.3)])  # the second block: scale 1/8, 0.3 -> 2.4 -> 2
+    assert fake_quantize(x, "mxfp4")[[0, 1, 32, 33]].tolist() == [6.0, 1.0, 0.75, 0.25]
+    m = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fake_quantize(m, "mxfp8", axis=0), fake_quantize(m.T, "mxfp8").T)
+    assert torch.equal(fake_quantize(m[:, 32:40], "mxfp4"), fake_quantize(m[:, :40], "mxfp4")[:, 32:40])  # padded
+
+
+def test_nvfp4_has_two_levels_of_scale():
+    # tensor amax 6 * 448 = 2688: the tensor scale is 1; a block with amax 0.9 has the block scale
+    # 0.9 / 6 = 0.15, whose nearest E4M3 value is 1.25 * 2^-3 = 0.15625 (1.125 * 2^-3 is 0.140625)
+    x = torch.cat([block(2688.0, size=16), block(0.9, 0.3, size=16), block(6.0, 2.5, size=16)])
+    q = fake_quantize(x, "nvfp4")
+    assert q[0].item() == 2688.0  # block scale 448
+    assert (q[16].item(), q[17].item()) == (6 * 0.15625, 2 * 0.15625)  # 5.76 -> 6, 1.92 -> 2
+    assert (q[32].item(), q[33].item()) == (6.0, 2.0)  # block scale 1: 2.5 ties to even 2
+
+
+def test_fp8_scales_are_fp32_per_tensor_per_row_or_per_block():
+    x = torch.tensor([[896.0, 3.0, 1.0, 0.0005], [1.0, 0.5, 0.25, 0.0]])
+    # per tensor: scale 896 / 448 = 2; 0.0005 / 2 is below half of E4M3's smallest subnormal 2^-9
+    assert fake_quantize(x, "fp8_e4m3").tolist() == [[896.0, 3.0, 1.0, 0.0], [1.0, 0.5, 0.25, 0.0]]
+    # per row: the second row's scale is 1 / 448, so 0.25 -> 112, exact
+    assert fake_quantize(x, "fp8_e4m3_row")[1].tolist() == [1.0, 0.5, 0.25, 0.0]
+    # e5m2, scale 896 / 57344 = 1/64: 3 * 64 = 192 and 64 are exact with 2 mantissa bits
+    assert fake_quantize(x, "fp8_e5m2")[0, :3].tolist() == [896.0, 3.0, 1.0]
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+    w[0, 0] = 100.0  # one outlier: only its 1x128 block, or its 128x128 tile, gets the large scale
+    rows, tiles = fake_quantize(w, "fp8_block"), fake_quantize(w, "fp8_block", tile=True)
+    assert torch.equal(rows[1:], fake_quantize(w[1:], "fp8_block"))
+    assert torch.equal(rows[0, 128:], fake_quantize(w[0, 128:], "fp8_block"))
+    assert torch.equal(tiles[128:], fake_quantize(w[128:], "fp8_block", tile=True))
+
+
+def test_square_blocks_give_a_weight_the_same_values_whichever_axis_a_gemm_contracts():
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fake_quantize(w, "nvfp4", tile=True), fake_quantize(w, "nvfp4", axis=0, tile=True))
+    assert not torch.equal(fake_quantize(w, "nvfp4"), fake_quantize(w, "nvfp4", axis=0))
+
+
+def test_zero_blocks_subnormals_and_saturation():
+    assert torch.equal(fake_quantize(torch.zeros(64), "mxfp8"), torch.zeros(64))
+    assert torch.equal(fake_quantize(torch.zeros(32), "nvfp4"), torch.zeros(32))
+    tiny = 2.0**-130  # an fp32 subnormal: E8M0's smallest scale 2^-127 takes it to 1/8, exact in E4M3
+    assert fake_quantize(block(tiny), "mxfp8")[0].item() == tiny
+    assert fake_quantize(block(6.0, 0.5), "mxfp4")[1].item() == 0.5  # E2M1's subnormal
+    assert fake_quantize(block(500.0, 1.0), "mxfp8")[0].item() == 448.0  # floor: scale 1, 500 saturates
+
+
+def test_a_block_with_inf_or_nan_is_nan_and_the_others_are_untouched():
+    for bad in (math.inf, -math.inf, math.nan):
+        x = torch.cat([block(1.0, bad), block(1.0, 0.5)])
+        for name in ("mxfp4", "mxfp8", "nvfp4", "fp8_e4m3_row"):
+            q = fake_quantize(x.reshape(2, 32), name)
+            span = 16 if name == "nvfp4" else 32  # the values that share the bad one's scale
+            assert q[0, :span].isnan().all() and not q[0, span:].isnan().any(), (name, bad)
+            assert q[1, :2].tolist() == [1.0, 0.5], (name, bad)
+
+
+def test_stochastic_rounding_is_unbiased_seeded_and_lands_on_neighbours():
+    x = block(6.0, *[0.3] * 31).repeat(4000, 1)  # 0.3 lies between 0 and 0.5: up with probability 0.6
+    q = fake_quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    values = q[:, 1:]
+    assert set(values.unique().tolist()) == {0.0, 0.5}
+    n, sigma = values.numel(), 0.5 * math.sqrt(0.6 * 0.4)
+    assert abs(values.mean().item() - 0.3) < 3 * sigma / math.sqrt(n)
+    again = fake_quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(q, again) and torch.equal(q[:, 0], torch.full((4000,), 6.0))  # grid values stay
+
+
+def test_stochastic_rounding_is_unbiased_over_random_values():
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(3))
+    q = fake_quantize(x, "nvfp4", rounding="stochastic", generator=torch.Generator().manual_seed(4))
+    nearest = fake_quantize(x, "nvfp4")
+    err = (q - x).mean().item()
+    assert abs(err) < 3 * (q - x).std().item() / math.sqrt(x.numel())
+    assert (q - x).abs().mean() > (nearest - x).abs().mean()  # unbiased, at the price of larger errors
+
+
+@pytest.mark.parametrize("name, element", [("mxfp8", "e4m3"), ("mxfp8_e5m2", "e5m2"), ("mxfp6_e2m3", "e2m3"),
+                                           ("mxfp6_e3m2", "e3m2"), ("mxfp4", "e2m1")])  # fmt: skip
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+def test_the_mx_formats_equal_torchaos_quantizer(name, element, rule):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 256, generator=g) * torch.exp(2 * torch.randn(64, 1, generator=g))  # rows of all sizes
+    assert torch.equal(fake_quantize(x, name, scale_rule=rule), torchao_mx(x, element, 32, rule))
+
+
+def test_nvfp4_equals_torchaos_quantizer():
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(fake_quantize(x, "nvfp4"), torchao_nvfp4(x, x.abs().max() / (6 * 448)))
+
+
+def test_shape_and_dtype_are_kept_and_bad_arguments_are_one_line():
+    x = torch.randn(3, 5, 40, dtype=torch.bfloat16)
+    q = fake_quantize(x, "mxfp8", axis=1)
+    assert q.shape == x.shape and q.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="no number format 'mxfp3': the formats are fp8_e4m3, "):
+        fake_quantize(x, "mxfp3")
+    with pytest.raises(ValueError, match="mxfp4 has no square blocks"):
+        fake_quantize(x, "mxfp4", tile=True)
+    with pytest.raises(ValueError, match="scale_rule='rceil': floor or rceil, for the MX formats"):
+        fake_quantize(x, "nvfp4", scale_rule="rceil")
+    with pytest.raises(ValueError, match="rounding='up'"):
+        fake_quantize(x, "nvfp4", rounding="up")
+
+
+def test_the_random_hadamard_transform_is_orthogonal_and_leaves_a_gemm_unchanged():
+    h = hadamard(16)
+    assert torch.equal(h.abs(), torch.full((16, 16), 0.25))
+    assert torch.allclose(h @ h.T, torch.eye(16), atol=1e-6)
+    g = torch.Generator().manual_seed(7)
+    q = random_hadamard(16, g)
+    assert torch.allclose(q @ q.T, torch.eye(16), atol=1e-6) and not torch.equal(q, h)
+    dy, x = torch.randn(64, 8, generator=g), torch.randn(64, 12, generator=g)  # dW = dy^T x, over 64 tokens
+    dw = rotate(dy, q, axis=0).T @ rotate(x, q, axis=0)
+    assert torch.allclose(dw, dy.T @ x, atol=1e-5)
+    with pytest.raises(ValueError, match="a multiple of 16"):
+        rotate(torch.zeros(40, 3), q, axis=0)
