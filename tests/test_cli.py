@@ -317,9 +317,9 @@ def test_metrics_jsonl_uses_the_documented_names(runs):
     ],
 )  # fmt: skip
 def test_settings_that_rarely_mean_what_they_say_are_warned_about(overrides, warning):
-    from halfprec.config import warnings
+    from halfprec.config import config_warnings
 
-    assert warnings(compose_cfg(overrides)) == ([warning] if warning else [])
+    assert config_warnings(compose_cfg(overrides)) == ([warning] if warning else [])
 
 
 def test_a_run_validates_its_config_once(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """The composed config: schemas (schema.py), the rules that span keys (rules.py), validation."""
 
-from halfprec.config.rules import resolve_device, warnings
+from halfprec.config.rules import config_warnings, resolve_device
 from halfprec.config.validate import validate, validate_optimizer
 
-__all__ = ["resolve_device", "validate", "validate_optimizer", "warnings"]
+__all__ = ["config_warnings", "resolve_device", "validate", "validate_optimizer"]

@@ -59,7 +59,7 @@ def check_scaler(s: DictConfig) -> None:
         )
 
 
-def warnings(cfg: DictConfig) -> list[str]:
+def config_warnings(cfg: DictConfig) -> list[str]:
     """Settings that work but rarely do what was meant: one line each, printed as the run starts."""
     found = []
     warmup, steps = cfg.sched.warmup_steps, cfg.trainer.max_steps

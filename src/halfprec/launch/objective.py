@@ -12,24 +12,24 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 
-def objective_metric(cfg: DictConfig) -> Any:
-    """The task's Metric that `objective` names (null: the task's own default, val/acc for
-    classification, val/loss for lm). config/rules.py has checked that the task reports it."""
+def task_metric(task: str, objective: str | None) -> Any:
+    """The Metric of task `task` that `objective` names (null: the task's own default, val/acc for
+    classification, val/loss for lm); None for an unknown task or name (validate() says which)."""
     from halfprec.components.tasks import TASKS
 
-    task = TASKS[cfg.task.name]
-    return task.metric(cfg.objective or task.objective)
+    return TASKS[task].metric(objective or TASKS[task].objective) if task in TASKS else None
+
+
+def objective_metric(cfg: DictConfig) -> Any:
+    """The run's objective Metric (config/rules.py has checked that its task reports it)."""
+    return task_metric(cfg.task.name, cfg.objective)
 
 
 def direction(objective: str | None, task: str) -> str:
     """`maximize` or `minimize`: the resolver `${halfprec.direction:${objective},${task.name}}`
     that conf/hparams_search/optuna.yaml gives the sweeper, so val/loss is minimized, val/acc maximized."""
-    from halfprec.components.tasks import TASKS
-
-    metric = TASKS[task].metric(objective or TASKS[task].objective) if task in TASKS else None
-    if metric is None:  # validate() names the bad key when the job starts
-        return "minimize"
-    return "maximize" if metric.higher_is_better else "minimize"
+    metric = task_metric(task, objective)
+    return "maximize" if metric is not None and metric.higher_is_better else "minimize"
 
 
 def register_resolvers() -> None:
@@ -40,10 +40,10 @@ def register_resolvers() -> None:
 def sweep_value(cfg: DictConfig, summary: dict | None) -> float:
     """The run's objective; for a run that diverged (summary None), the worst value for the way the
     sweeper optimizes: -inf when it maximizes, +inf when it minimizes."""
-    name = objective_metric(cfg).name
+    metric = objective_metric(cfg)
     if summary is not None:
-        return summary.get(name, math.nan)  # val/bpb of a token file whose bytes per token are unknown
+        return summary.get(metric.name, math.nan)  # val/bpb of a token file whose bytes per token are unknown
     from hydra.core.hydra_config import HydraConfig
 
-    optimizes = HydraConfig.get().sweeper.get("direction") or direction(name, cfg.task.name)
+    optimizes = HydraConfig.get().sweeper.get("direction") or direction(metric.name, cfg.task.name)
     return -math.inf if optimizes == "maximize" else math.inf

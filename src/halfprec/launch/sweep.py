@@ -22,8 +22,9 @@ from halfprec.launch.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_li
 
 # Recorded for every job, beside the task's own val/* metrics (whatever summary.json holds).
 RECORDED = ("train/loss", "scaler/skipped_steps", "scaler/min_scale", "scaler/final_scale")
-# The Optuna sweeper's own lines about a failed trial repeat the error the job's line has printed.
-REPEATED = ("Failed experiment: ", "Failed ")
+# The Optuna sweeper's own lines about failed trials ("Failed experiment: ...", "Failed [...] times
+# out of ...") repeat the errors the jobs' lines have printed.
+REPEATED = "Failed "
 
 
 def job_status(err: BaseException | None, summary: dict) -> str:
@@ -34,10 +35,6 @@ def job_status(err: BaseException | None, summary: dict) -> str:
     if isinstance(err, Preempted):
         return "stopped"
     return "diverged" if isinstance(err, TrainingAborted) else "failed"
-
-
-def recorded(summary: dict) -> dict:
-    return {k: v for k, v in summary.items() if k in RECORDED or k.startswith("val/")}
 
 
 class SweepRecord(Callback):
@@ -84,8 +81,8 @@ class SweepRecord(Callback):
             "status": job_status(err, summary),
             "wall_s": round(time.time() - self._started.pop(os.getpid(), time.time()), 3),
             "dir": str(run_dir),
-            **{k: None for k in RECORDED},
-            **recorded(summary),
+            **{k: summary.get(k) for k in RECORDED},
+            **{k: v for k, v in summary.items() if k.startswith("val/")},
         }
         if err is None and line["status"] == "diverged":  # it returned the worst objective to the sweeper
             err = TrainingAborted(summary.get("error", "diverged"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
-from halfprec.config import resolve_device, validate, validate_optimizer, warnings
+from halfprec.config import config_warnings, resolve_device, validate, validate_optimizer
 from halfprec.errors import Interrupted, Preempted, naming
 from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted
@@ -61,12 +61,13 @@ def set_threads(cfg: DictConfig) -> None:
 
 
 def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Path | None, dict | None]:
-    """The checkpoint `resume` names (None: a fresh start), loaded and checked against this config."""
+    """The checkpoint `resume` names (None: a fresh start), loaded and checked against this config;
+    the schedule's horizon set from it (or, fresh, from this config)."""
     path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints") if cfg.resume is not None else None
-    if path is None:
-        return None, None
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path) if path is not None else None
     set_horizon(cfg, ckpt)
+    if path is None or ckpt is None:  # both None together; the two tests are for the type checker
+        return None, None
     notes = [*check_resume_config(ckpt["config"], saved_config(cfg), path), lr_note(cfg, ckpt)]
     for note in filter(None, notes):
         print(f"resume: {note}", file=sys.stderr)
@@ -114,7 +115,7 @@ def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: i
     """Once everything is built: where this run writes, and where it continues from; then the
     settings that work but rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
-    for line in warnings(cfg):
+    for line in config_warnings(cfg):
         print(f"warning: {line}", file=sys.stderr)
     if resumed_from is not None:
         print(f"resume: from {resumed_from} at step {step} of {cfg.trainer.max_steps}", file=sys.stderr)
@@ -129,7 +130,6 @@ def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: i
 
 def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     path, ckpt = resume_checkpoint(cfg, run_dir, world)
-    set_horizon(cfg, ckpt)
     c = build(cfg, world)
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
