@@ -148,3 +148,27 @@ cl.main(["--device", "cpu", "--models", "mlp-odd", "--precisions", "fp8,fp32", "
     assert [(r["precision"], r["contender"]) for r in rows] == expected
     assert rows[0]["note"].startswith("not run: precision=fp8") and rows[0]["median_ms"] is None
     assert rows[1]["max_param_diff_vs_raw"] <= 1e-5
+
+
+def test_formats_quick_times_each_format_against_bf16(tmp_path):
+    """benchmarks/formats.py --quick (a 1-block GPT of width 32, ~5 s): a bf16 row and one row per
+    format asked for, each with its ms/step and ratio to bf16; the formats' rows count their
+    quantized layers and the share of a step spent quantizing."""
+    out = tmp_path / "formats.json"
+    script = SCRIPT.parent / "formats.py"
+    cmd = [sys.executable, str(script), "--quick", "--device", "cpu", "--precisions", "mxfp4,nvfp4"]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["env"]["glibc_tunables"].startswith("glibc.malloc.mmap_threshold=")  # the re-exec fixed it
+    rows = {r["precision"]: r for r in report["rows"]}
+    assert list(rows) == ["bf16", "mxfp4", "nvfp4"]
+    for row in rows.values():
+        assert row["median_ms"] > 0 and row["ratio_to_bf16"] > 0, row
+        assert len(row["block_ms"]) == len(row["ratios"]) == report["env"]["blocks"]
+    assert rows["bf16"]["ratio_to_bf16"] == 1.0 and rows["bf16"]["quantized_layers"] == 0
+    for name in ("mxfp4", "nvfp4"):
+        row = rows[name]
+        assert row["quantized_layers"] > 0, row
+        assert row["quantize_calls"] > 0 and 0 < row["quantize_share"] < 1, row
+    assert "| nvfp4 |" in proc.stdout  # the markdown table

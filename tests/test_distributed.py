@@ -79,6 +79,19 @@ def test_a_gpt_on_two_processes_equals_one_process_with_twice_the_batch(tmp_path
         assert rows_two[-1][key] == pytest.approx(rows_one[-1][key], abs=1e-5)
 
 
+@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
+def test_an_nvfp4_gpt_trains_on_two_processes(tmp_path, trainer):
+    """The emulated layers under DDP and FSDP2: each rank rounds its own gradients stochastically
+    (no equality with one process: the blocks along the tokens hold other tokens)."""
+    gpt = ["task=lm", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "logger=none",
+           "trainer.max_steps=4", "trainer.log_every=1", "precision=nvfp4", "data.batch_size=4"]  # fmt: skip
+    two = torchrun(tmp_path, f"trainer={trainer}", *gpt, f"hydra.run.dir={tmp_path / 'two'}", tiny=False)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert rows[0]["precision/layers/nvfp4"] == 4 and rows[0]["precision/layers/high"] == 1
+    assert len(rows) == 4 and all(r["train/loss"] < 6 for r in rows) and rows[-1]["val/loss"] < 6
+
+
 def test_overflow_injected_on_one_rank_skips_the_step_on_both(tmp_path):
     # the inf goes into rank 0's gradients only; the run ends with a check that both ranks hold
     # identical weights, scale and skip count, which fails loudly if rank 1 had stepped

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from halfprec.numerics.formats import FORMATS, fake_quantize
-from halfprec.numerics.formats.casts import torchao_mx, torchao_nvfp4
+from halfprec.numerics.formats.casts import nearest_cast, torchao_mx, torchao_nvfp4
 from halfprec.numerics.formats.elements import ELEMENTS
 from halfprec.numerics.formats.hadamard import hadamard, random_hadamard, rotate
 
@@ -40,6 +40,29 @@ def test_mxfp4_rounds_to_the_nearest_e2m1_value_with_ties_to_even():
     x = block(6.0, 0.1, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.74, -2.9)
     expected = block(6.0, 0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.5, -3.0)
     assert torch.equal(fake_quantize(x, "mxfp4"), expected)
+
+
+@pytest.mark.parametrize("name", ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"])
+def test_rounding_to_nearest_is_the_libraries_cast_bit_for_bit(name):
+    """halfprec rounds by arithmetic (faster); the casts of torch (float8 dtypes) and torchao (4 and
+    6 bits) are the definition: every value, every midpoint and its neighbours, subnormals, values
+    past the largest, and random magnitudes across the range."""
+    element = ELEMENTS[name]
+    grid = element.grid
+    mids = (grid[1:] + grid[:-1]) / 2
+    wide = torch.exp2(
+        torch.empty(20_000).uniform_(-30, math.log2(element.max) + 2, generator=torch.Generator().manual_seed(0))
+    )
+    near = [grid, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), grid * 1.25, wide]
+    x = torch.cat([*near, torch.tensor([element.max * 1.01, element.max * 100, 1e-30, 0.0])])
+    x = torch.cat([x, -x])
+    if name in ("e4m3", "e5m2"):
+        dtype = torch.float8_e4m3fn if name == "e4m3" else torch.float8_e5m2
+        expected = x.clamp(-element.max, element.max).to(dtype).float()
+    else:
+        expected = nearest_cast(name)(x)
+    got = element.nearest(x)
+    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
 
 
 @pytest.mark.parametrize(

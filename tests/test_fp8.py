@@ -22,7 +22,8 @@ def test_emulated_fp8_trains_like_bf16(recipe, tmp_path):
     fp8 = run(compose_cfg(*EMULATED, f"precision.fp8={recipe}", *steps), tmp_path / "fp8")
     bf16 = run(compose_cfg("precision=bf16", *steps), tmp_path / "bf16")
     # the two hidden Linear layers (64->256, 256->256) compute in float8; the 256->10 classifier cannot
-    assert fp8["precision/fp8_layers"] == 2 and fp8["precision/compute_dtype"] == "bfloat16"
+    assert fp8["precision/layers/float8"] == 2 and fp8["precision/compute_dtype"] == "bfloat16"
+    assert fp8["precision/kernel"] == "torchao"
     assert fp8["train/loss"] == pytest.approx(bf16["train/loss"], abs=0.05)
     assert fp8["val/acc"] > 0.9 and abs(fp8["val/acc"] - bf16["val/acc"]) < 0.03
 
@@ -69,6 +70,6 @@ def test_an_emulated_fp8_gpt_trains_like_bf16(tmp_path):
     steps = ["trainer.max_steps=300", "trainer.log_every=50", "trainer.val_every=0", "sched.warmup_steps=30"]
     fp8 = run(compose_cfg(*GPT, *EMULATED, *steps), tmp_path / "fp8")
     bf16 = run(compose_cfg(*GPT, "precision=bf16", *steps), tmp_path / "bf16")
-    assert fp8["precision/fp8_layers"] == 8
+    assert fp8["precision/layers/float8"] == 8
     assert fp8["val/loss"] < 3.2  # well below a uniform byte's ln 256 = 5.5 nats: it learned
     assert fp8["val/loss"] == pytest.approx(bf16["val/loss"], rel=0.05)  # measured: 2.82 vs 2.89

@@ -119,7 +119,7 @@ def test_fp8_loss_curve_follows_bf16(recipe, tmp_path):
     common = ["trainer.device=cuda", "trainer.max_steps=300", "trainer.log_every=25", "model.hidden=[512,512]"]
     fp8 = run(compose_cfg("precision=fp8", f"precision.fp8={recipe}", *common), tmp_path / "fp8")
     bf16 = run(compose_cfg("precision=bf16", *common), tmp_path / "bf16")
-    assert fp8["precision/fp8_layers"] == 2
+    assert fp8["precision/layers/float8"] == 2
     curve = [json.loads(line)["train/loss"] for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(line)["train/loss"] for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert len(curve) == len(ref) and all(abs(a - b) < 0.05 + 0.1 * b for a, b in zip(curve, ref)), (curve, ref)

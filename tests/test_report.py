@@ -11,7 +11,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +236,7 @@ class FakeJob:
     val_acc: float | None = 0.9  # logged with the last row (None: logged as null)
     error: str = ""  # sweep.jsonl's error for a job that did not complete (default: a divergence)
     logs_val: bool = True  # val/loss and val/acc with the last row (False: it stopped before validating)
+    extra: dict[int, dict[str, Any]] = field(default_factory=dict)  # row index -> more keys for that row
 
 
 def write_sweep(root: Path, jobs: list[FakeJob], log_every: int = 10) -> Path:
@@ -266,6 +267,8 @@ def write_run(run_dir: Path, job: FakeJob, log_every: int = 10) -> None:
     ]
     if rows and job.status != "running" and job.logs_val:
         rows[-1].update({"val/loss": rows[-1]["train/loss"], "val/acc": job.val_acc})
+    for i, keys in job.extra.items():
+        rows[i].update(keys)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     if job.status == "completed" or job.in_summary:
         status = {"status": job.status} if job.in_summary else {}
@@ -621,4 +624,153 @@ def test_help_and_docstring_name_every_plot_the_report_writes(capsys):
     for text in (help_text, doc):
         for name in ("report.md", "loss.png", "scale.png", "sweep.png", "attn_logits.png", "logz.png"):
             assert name in text, (name, text)
+    for name in ("quant_err.png", "quant_heatmap_<job>.png"):  # the docstring alone: the help is cli.py's
+        assert name in doc, name
     assert "two plots" not in doc
+
+
+# Quantization statistics (an emulated number format with diagnostics=grads): on diagnostics steps,
+# quant/<layer>/<operand>/{rel_err, underflow, saturated} and their mean and largest rel_err.
+
+
+def quant_stats(errors: dict[str, dict[str, float | None]]) -> dict[str, Any]:
+    """A diagnostics row's quant keys, as training/diagnostics.py logs them: {layer: {operand: rel_err}}
+    (None: a non-finite value, written as null)."""
+    row: dict[str, Any] = {}
+    for layer, ops in errors.items():
+        for op, err in ops.items():
+            stats = {"rel_err": err, "underflow": 0.0, "saturated": 0.0}
+            row.update({f"quant/{layer}/{op}/{stat}": value for stat, value in stats.items()})
+    finite = [err for ops in errors.values() for err in ops.values() if err is not None]
+    return {**row, "diag/quant_rel_err": statistics.fmean(finite), "diag/quant_rel_err_max": max(finite)}
+
+
+def quant_job(overrides: dict[str, str], scale: float, seed: int = 0) -> FakeJob:
+    """A job that logged quant stats every 10th row (steps 10, 110, 210): errors `scale` times a layer's base."""
+    base = {"blocks.0.attn.qkv": 0.01, "blocks.0.mlp.fc": 0.02, "head": 0.005}
+    extra = {
+        i: quant_stats({layer: {op: err * scale * (1 + i / 100) for op in ("input", "weight", "grad_output")}
+                        for layer, err in base.items()})
+        for i in (0, 10, 20)
+    }  # fmt: skip
+    return FakeJob(overrides, decay(0.2, seed), extra=extra)
+
+
+def test_quant_map_is_the_last_step_with_quant_keys_a_row_per_layer_in_logged_order():
+    from halfprec.tools.report import quant_cell, quant_map
+
+    early = {"step": 10, "quant/blocks.0.attn.qkv/input/rel_err": 0.5, "quant/early.only/weight/rel_err": 0.5}
+    last = {
+        "step": 30,
+        "train/loss": 1.0,
+        "quant/blocks.1.mlp.fc/weight/rel_err": 0.0123,  # logged first: its row comes first
+        "quant/blocks.1.mlp.fc/weight/underflow": 0.25,  # not an error: not in the map
+        "quant/blocks.1.mlp.fc/input/rel_err": 0.5,
+        "quant/blocks.0.attn.qkv/grad_output/rel_err": math.nan,  # logged as null
+        "quant/blocks.0.attn.qkv/input/rel_err": 0.000123,
+        "diag/quant_rel_err": 0.1,
+    }
+    rows = [early, {"step": 20, "train/loss": 2.0}, last, {"step": 40, "train/loss": 0.9}]
+    qmap = quant_map(rows)
+    assert qmap is not None and qmap.step == 30  # not step 40 (no quant keys), not step 10 (earlier)
+    assert qmap.layers == ["blocks.1.mlp.fc", "blocks.0.attn.qkv"]  # early.only was not logged at step 30
+    assert qmap.operands == ["input", "weight", "grad_output"]
+    (fc_in, fc_w, fc_g), (qkv_in, qkv_w, qkv_g) = qmap.values
+    assert (fc_in, fc_w, qkv_in) == (0.5, 0.0123, 0.000123)
+    assert all(math.isnan(v) for v in (fc_g, qkv_w, qkv_g))  # not logged (or logged as null): no colour
+    assert qmap.texts == [["0.5", "0.012", ""], ["0.00012", "", "nan"]]  # 2 significant digits; blank: missing
+    assert quant_cell("quant/blocks.1.mlp.fc/input/saturated") is None and quant_cell("diag/quant_rel_err") is None
+    assert quant_map([{"step": 1, "train/loss": 1.0, "diag/quant_rel_err": 0.1}]) is None
+
+
+def test_a_quant_heatmap_colours_and_annotates_each_cell_and_labels_its_colorbar():
+    import numpy as np
+
+    from halfprec.tools.report import QUANT_LABEL, quant_heatmap, quant_map
+
+    errors = {"blocks.0.attn.qkv": {"input": 0.01, "weight": 0.002}, "head": {"input": 0.3, "grad_output": 0.0}}
+    qmap = quant_map([{"step": 7, **quant_stats(errors)}])
+    assert qmap is not None
+    fig = quant_heatmap(qmap, "job 3: precision=nvfp4\nrelative quantization error at step 7")
+    ax, colorbar = fig.axes
+    (image,) = ax.images
+    shown = image.get_array()
+    np.testing.assert_array_equal(shown.mask, [[False, False, True], [False, True, False]])  # grey: not logged
+    np.testing.assert_allclose(shown.data[~shown.mask], [0.01, 0.002, 0.3, 0.0])
+    assert image.get_cmap().name.startswith("viridis") and image.norm.__class__.__name__ == "LogNorm"  # 150x apart
+    assert [t.get_text() for t in ax.texts] == ["0.01", "0.002", "", "0.3", "", "0"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["blocks.0.attn.qkv", "head"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["input", "weight", "grad_output"]
+    assert colorbar.get_ylabel() == QUANT_LABEL == "relative error ||q(x) - x|| / ||x||"
+    assert "step 7" in ax.get_title() and "job 3" in ax.get_title()
+
+
+def test_report_draws_a_quant_heatmap_per_job_with_stats_and_none_for_the_others(tmp_path, capsys):
+    jobs = [
+        quant_job({"precision": "mxfp8"}, 1.0),
+        FakeJob({"precision": "bf16"}, decay(0.2)),  # no emulated format: no stats
+        quant_job({"precision": "nvfp4"}, 8.0),
+    ]
+    sweep_dir = write_sweep(tmp_path / "sweep", jobs)
+    out = tmp_path / "out"
+    assert write_report(sweep_dir, out) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("quant*")) == ["quant_err.png", "quant_heatmap_0.png", "quant_heatmap_2.png"]
+    for name in ("quant_err.png", "quant_heatmap_0.png", "quant_heatmap_2.png"):
+        assert_png(out / name)
+        assert f"![{name[:-4]}]({name})" in text
+    assert "left out" not in text
+
+    # a run without stats: no heatmap, no line plot, nothing said of them
+    single = tmp_path / "single"
+    write_run(single, FakeJob({"precision": "bf16"}, decay(0.2)))
+    assert write_report(single, tmp_path / "single_out") == 0
+    text = capsys.readouterr().out
+    assert "![quant" not in text and "quantization" not in text  # (tmp_path's name has "quant" in it)
+    assert not list((tmp_path / "single_out").glob("quant*"))
+
+
+def test_past_max_heatmaps_report_md_names_the_jobs_left_out(tmp_path, capsys, monkeypatch):
+    from halfprec.tools import report as report_module
+
+    monkeypatch.setattr(report_module, "MAX_HEATMAPS", 2)  # 12 real heatmaps would take a while to draw
+    jobs = [quant_job({"optim.lr": lr}, scale) for lr, scale in (("1e-3", 1.0), ("1e-2", 2.0), ("1e-1", 4.0))]
+    jobs.insert(1, FakeJob({"optim.lr": "3e-3"}, decay(0.2)))  # without stats: not counted
+    jobs.append(quant_job({"optim.lr": "1"}, 8.0))
+    out = tmp_path / "out"
+    assert write_report(write_sweep(tmp_path / "sweep", jobs), out) == 0
+    text = capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("quant_heatmap_*")) == ["quant_heatmap_0.png", "quant_heatmap_2.png"]
+    assert "the first 2 of the 4 jobs with quantization statistics; 2 left out: jobs 3, 4." in text
+
+
+def test_quant_err_plot_dashes_the_largest_error_beside_each_mean_in_its_colour(tmp_path):
+    from matplotlib.colors import to_hex
+
+    from halfprec.tools.report import QUANT_MAX, QUANT_MEAN
+
+    # two overrides with few values: a plain line plot would tell the second apart by line style
+    jobs = [
+        quant_job({"precision": p, "model.block": b, "seed": str(s)}, scale * (1 + s / 10), s)
+        for p, scale in (("mxfp8", 1.0), ("nvfp4", 8.0))
+        for b in ("16", "32")
+        for s in (0, 1)
+    ]
+    jobs.append(FakeJob({"precision": "bf16", "model.block": "16"}, decay(0.2)))  # no stats: no line
+    fig = line_figure(find_jobs(write_sweep(tmp_path, jobs)), QUANT_MEAN, "t", whole=True, dashed_key=QUANT_MAX)
+    ax = fig.axes[0]
+    solid = drawn_lines(fig)
+    configs = [f"precision={p} model.block={b}" for p in ("mxfp8", "nvfp4") for b in ("16", "32")]
+    assert sorted(solid) == sorted(f"{config}: mean ± std, n=2" for config in configs)
+    assert {line.get_linestyle() for line in solid.values()} == {"-"}
+    dashes = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(dashes) == 4 and len({to_hex(line.get_color()) for line in solid.values()}) == 4
+    assert {to_hex(line.get_color()) for line in dashes} == {to_hex(line.get_color()) for line in solid.values()}
+    for line in solid.values():  # each mean's dashed line: its largest layer, at the same steps
+        (maximum,) = [d for d in dashes if to_hex(d.get_color()) == to_hex(line.get_color())]
+        assert list(maximum.get_xdata()) == list(line.get_xdata()) == [10, 110, 210]
+        assert all(m > v for m, v in zip(maximum.get_ydata(), line.get_ydata()))
+    bottom, top = ax.get_ylim()  # whole: every line on the chart, nvfp4's 8x larger errors too
+    assert all(bottom <= v <= top for line in [*solid.values(), *dashes] for v in line.get_ydata())
+    assert "dashed, same colour: diag/quant_rel_err_max" in ax.get_legend().get_title().get_text()
+    assert len(ax.collections) == 4  # a band per mean, none for the dashed lines

@@ -33,6 +33,7 @@ def check_precision(p: DictConfig, distributed: str) -> None:
         raise ConfigError(
             "precision.fp8", p.fp8, "float8 Linear layers run inside bf16 autocast on fp32 weights: use precision=fp8"
         )
+    check_layer_formats(p)
     if distributed == "fsdp" and p.param_dtype != "float32":
         raise ConfigError(
             "precision",
@@ -45,6 +46,47 @@ def check_precision(p: DictConfig, distributed: str) -> None:
             "precision.reduce_dtype",
             p.reduce_dtype,
             "applies to trainer=fsdp only (DDP and one process reduce in fp32)",
+        )
+
+
+def check_layer_formats(p: DictConfig) -> None:
+    """precision.format (emulated) and precision.fp8 (torchao's layers) are two ways of quantizing
+    the Linear layers: one at a time; the recipe and the high blocks need one of them."""
+    quantized = p.format or p.fp8 or any(r.format != "high" for r in p.rules)
+    if p.format and p.fp8:
+        raise ConfigError(
+            "precision.fp8", p.fp8, f"torchao's float8 layers or precision.format={p.format}, not both: set one null"
+        )
+    recipe = {k: v for k, v in p.recipe.items() if v not in (None, False, "floor")}
+    if recipe and (p.fp8 or not quantized):
+        key, value = next(iter(recipe.items()))
+        why = "torchao's float8 layers have recipes of their own (precision.fp8)" if p.fp8 else "no layer is quantized"
+        raise ConfigError(f"precision.recipe.{key}", value, f"applies to precision.format's layers; {why}")
+    for key in ("high_first", "high_last"):
+        if p[key] and not quantized:
+            raise ConfigError(
+                f"precision.{key}", p[key], "keeps blocks high while the others are quantized: name a format too, "
+                "e.g. precision=mxfp4 or precision.format=nvfp4",
+            )  # fmt: skip
+
+
+def check_formats(p: DictConfig, formats: dict[str, bool]) -> None:
+    """The format names against the registry (`formats`: each name, and whether it has square blocks)."""
+    names = ", ".join(formats)
+    for key in ("format", "recipe.grad_format"):
+        value = p.format if key == "format" else p.recipe.grad_format
+        if value is not None and value not in formats:
+            raise ConfigError(f"precision.{key}", value, f"no such number format; they are {names}")
+    allowed = ("high", "float8") if p.fp8 else ("high", *formats)
+    for i, rule in enumerate(p.rules):
+        if rule.format not in allowed:
+            what = "with precision.fp8 a rule says high or float8" if p.fp8 else f"a format ({names}) or high"
+            raise ConfigError(f"precision.rules[{i}].format", rule.format, what)
+    used = {p.format, *(r.format for r in p.rules)} - {None, "high", "float8"}
+    flat = sorted(name for name in used if not formats[name])
+    if p.recipe.weight_2d and flat:
+        raise ConfigError(
+            "precision.recipe.weight_2d", True, f"{flat[0]} has no square blocks (nvfp4: 16x16, fp8_block: 128x128)"
         )
 
 

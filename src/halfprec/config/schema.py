@@ -48,6 +48,27 @@ class Precision:
     reduce_dtype: Dtype  # trainer=fsdp: the dtype gradients are reduce-scattered in
     fp8: Annotated[Literal["tensorwise", "rowwise"] | None, Spec(doc="torchao float8 recipes; null = off")]
     fp8_emulate: bool
+    # the names of halfprec/numerics/formats and each rule's keys: config/validate.py, with the registry
+    format: Annotated[str | None, Spec(doc="a number format of halfprec/numerics/formats, e.g. mxfp8; null = none")]
+    recipe: Any  # QuantRecipe
+    rules: Annotated[list[Any], Spec(doc="[{match: <glob on module names>, format: <format> | high}, ...]")]
+    high_first: Annotated[int, Spec(low=0, doc="the first N transformer blocks stay high")]
+    high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
+
+
+@dataclass
+class QuantRecipe:
+    grad_format: Annotated[str | None, Spec(doc="the gradients' number format; null = the layer's")]
+    stochastic_grads: bool
+    hadamard: bool
+    weight_2d: bool
+    scale_rule: Annotated[Literal["floor", "rceil"], Spec(doc="the MX formats' E8M0 scale")]
+
+
+@dataclass
+class QuantRule:
+    match: Annotated[str, Spec(nonempty=True, doc="a glob on module names, e.g. 'blocks.3.*'")]
+    format: Annotated[str, Spec(doc="a number format of halfprec/numerics/formats, or high")]
 
 
 @dataclass

@@ -28,6 +28,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first value that cannot work."""
     check_node(cfg, schema.Top, "", "the top level")
     check_node(cfg.precision, schema.Precision, "precision", "precision")
+    check_quantization(cfg.precision)
     check_variant(cfg.scaler, "scaler", "kind", schema.SCALERS)
     check_variant(cfg.sched, "sched", "name", schema.SCHEDULES)
     check_variant(cfg.logger, "logger", "kind", schema.LOGGERS)
@@ -43,6 +44,17 @@ def validate(cfg: DictConfig) -> None:
     # the components come last: their schemas are the arguments of registered factories, which
     # imports torch; every error above answers without it (~1.5 s sooner)
     validate_components(cfg)
+
+
+def check_quantization(p: DictConfig) -> None:
+    """precision.recipe and each of precision.rules: their keys and types (the format names are
+    checked with the registry, in validate_components)."""
+    check_node(p.recipe, schema.QuantRecipe, "precision.recipe", "precision.recipe")
+    for i, rule in enumerate(p.rules):
+        key = f"precision.rules[{i}]"
+        if not isinstance(rule, DictConfig) or set(rule) != {"match", "format"}:
+            raise ConfigError(key, rule, "a rule is {match: <glob on module names>, format: <format> | high}")
+        check_node(rule, schema.QuantRule, key, "a rule")
 
 
 def check_variant(node: DictConfig, group: str, key: str, variants: dict[str, type]) -> None:
@@ -64,6 +76,9 @@ def validate_components(cfg: DictConfig) -> None:
     rounding: Any = Literal[tuple(ROUNDING_RULES)]
     rule: Any = Annotated[rounding, Spec(doc="the rounding rules of halfprec/numerics/rounding.py")]
     check_value("precision.update", cfg.precision["update"], rule)
+    from halfprec.numerics.formats import FORMATS
+
+    rules.check_formats(cfg.precision, {name: f.tile is not None for name, f in FORMATS.items()})
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
     check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
     name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from halfprec.errors import ConfigError, PrecisionMismatch
-from halfprec.numerics.formats.casts import quiet_import
+from halfprec.numerics.layers import HIGH, Rule, float8_fits, layer_format, plan_layers, swap_emulated, swap_float8
+from halfprec.numerics.quantized import Recipe
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,7 +35,12 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32  # trainer=fsdp: dtype gradients are reduce-scattered in
     fp8: str | None = None  # torchao float8 recipe for Linear layers: tensorwise | rowwise
     fp8_emulate: bool = False
-    fp8_layers: list[str] = field(default_factory=list)  # the Linear layers apply_fp8 converted
+    format: str | None = None  # the number format of the Linear layers' GEMMs, emulated (numerics/formats)
+    recipe: Recipe = field(default_factory=Recipe)
+    rules: tuple[Rule, ...] = ()
+    high_first: int = 0
+    high_last: int = 0
+    layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
 
     @classmethod
     def from_config(cls, cfg, device_type: str) -> PrecisionPolicy:
@@ -50,6 +56,11 @@ class PrecisionPolicy:
             reduce_dtype=DTYPES[cfg.reduce_dtype],
             fp8=cfg.fp8,
             fp8_emulate=bool(cfg.fp8_emulate),
+            format=cfg.format,
+            recipe=Recipe(**cfg.recipe),
+            rules=tuple(Rule(r.match, r.format) for r in cfg.rules),
+            high_first=cfg.high_first,
+            high_last=cfg.high_last,
         )
 
     @property
@@ -95,33 +106,30 @@ class PrecisionPolicy:
                     kept.append(module)
         return kept
 
-    def apply_fp8(self, model: nn.Module) -> list[str]:
-        """precision=fp8: swap every Linear whose in and out features are multiples of 16 (what
-        float8 matmuls need), but those the model names in `fp8_skip`, for torchao's Float8Linear;
-        return their names. Before any wrapping
-        (DDP, FSDP2, torch.compile), as torchao asks."""
-        if not self.fp8:
-            return []
-        with quiet_import():
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        # a model may keep layers in higher precision (`fp8_skip`: a GPT's output head, which is
-        # tied to its embedding and is where the logits' range matters most)
-        skipped = set(getattr(model, "fp8_skip", ()))
-
-        def eligible(module: nn.Module, name: str) -> bool:
-            fits = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-            return fits and name not in skipped
-
-        self.fp8_layers = [name for name, m in model.named_modules() if eligible(m, name)]
-        if not self.fp8_layers:
-            raise ConfigError(
-                "precision", self.name, "no Linear layer of this model has in and out features divisible by 16, "
-                "so none can compute in float8: widen the model or use precision=bf16",
-            )  # fmt: skip
-        config = replace(Float8LinearConfig.from_recipe_name(self.fp8), emulate=self.fp8_emulate)
-        convert_to_float8_training(model, config=config, module_filter_fn=eligible)
-        return self.fp8_layers
+    def quantize_layers(self, model: nn.Module, seed: int = 0, rank: int = 0) -> dict[str, str]:
+        """Swap the Linear layers the plan gives a format (numerics/layers.py) for quantized ones:
+        emulated QuantizedLinear, or torchao's Float8Linear with precision.fp8; before any wrapping
+        (DDP, FSDP2, torch.compile). Return the plan: each Linear layer's format or high."""
+        if not (self.format or self.fp8 or any(r.format != HIGH for r in self.rules)):
+            return {}
+        default = "float8" if self.fp8 else self.format
+        fits = float8_fits if self.fp8 else (lambda m: True)
+        plan = plan_layers(model, default, self.rules, self.high_first, self.high_last, fits)
+        if all(f == HIGH for f in plan.values()):
+            head = "the output head stays high unless a precision.rules entry names it"
+            why = (
+                f"no Linear layer of this model has in and out features divisible by 16, so none can compute in "
+                f"float8 ({head}): widen the model or use precision=bf16"
+                if self.fp8
+                else f"no Linear layer of this model is left to quantize ({head}): add a rule or use precision=bf16"
+            )
+            raise ConfigError("precision", self.name, why)
+        if self.fp8:
+            swap_float8(model, plan, self.fp8, self.fp8_emulate)
+        else:
+            swap_emulated(model, plan, self.recipe, seed, rank)
+        self.layers = plan
+        return plan
 
     def check(self, model: nn.Module, observed: set[torch.dtype], master: list[torch.Tensor]) -> dict:
         """Compare what the first step really did against the policy; raise on a mismatch."""
@@ -146,12 +154,22 @@ class PrecisionPolicy:
             "precision/param_dtype": _name(self.param_dtype),
             "precision/master_dtype": "float32" if self.master_weights or not self.is_pure else "none",
         }
-        if self.fp8:  # the layers still Float8Linear at the first step: nothing swapped them back
-            converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
-            if sorted(converted) != sorted(self.fp8_layers):
-                raise PrecisionMismatch(f"precision={self.name}: float8 layers {converted}, expected {self.fp8_layers}")
-            dtypes["precision/fp8_layers"] = len(converted)
-        return dtypes
+        return dtypes | self.check_layers(model)
+
+    def check_layers(self, model: nn.Module) -> dict[str, str | int]:
+        """Each Linear layer still computes in its planned format at the first step (nothing swapped
+        it back or wrapped it away); the counts per format, `precision/layers/<format>`, and what
+        computes them, `precision/kernel`: emulated (QuantizedLinear) or torchao (Float8Linear)."""
+        counts: dict[str, str | int] = (
+            {"precision/kernel": "torchao" if self.fp8 else "emulated"} if self.layers else {}
+        )
+        for name, planned in self.layers.items():
+            found = layer_format(model.get_submodule(name))
+            if found != planned:
+                raise PrecisionMismatch(f"precision={self.name}: layer {name} computes in {found}, expected {planned}")
+            key = f"precision/layers/{planned}"
+            counts[key] = int(counts.get(key, 0)) + 1
+        return counts
 
 
 def _name(dtype: torch.dtype) -> str:

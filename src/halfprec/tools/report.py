@@ -5,7 +5,11 @@ the sweep's sweep.jsonl), so it works on finished, failed and still-running swee
 
 Writes report.md (the tables), loss.png (train/loss against step), scale.png (the loss scale; only
 when a job has a loss scaler), sweep.png (final val/loss against a swept number, such as the lr) and,
-for a transformer with diagnostics=grads, attn_logits.png and logz.png; into PATH or --out.
+for a transformer with diagnostics=grads, attn_logits.png and logz.png; into PATH or --out. Runs in an
+emulated number format with diagnostics=grads (quant/<layer>/<operand>/rel_err keys) also get
+quant_err.png (the mean relative quantization error against step, the largest dashed) and, per job,
+quant_heatmap_<job>.png (each layer's error per operand at its last diagnostics step; at most
+MAX_HEATMAPS of them, report.md names the jobs left out).
 
 Jobs whose overrides differ in the seed alone (or not at all) form a group: one configuration run
 several times. The group table and the plots show each group as mean ± std over its completed jobs;
@@ -17,6 +21,7 @@ matplotlib, numpy and wandb are imported inside the functions that draw and uplo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import math
@@ -98,6 +103,13 @@ LOGIT_PLOTS = (
     ("diag/attn_logit_max", "attn_logits.png", "largest attention logit"),
     ("diag/output_logz", "logz.png", "output logits' log Z (mean)"),
 )
+# The quantization statistics of an emulated number format (training/diagnostics.py): the heatmap's
+# columns, in the order the layers log them, the line plot's keys, and how many jobs get a heatmap
+# (one image each: a sweep of 50 jobs would bury report.md under 50 of them).
+QUANT_OPERANDS = ("input", "weight", "grad_output")
+QUANT_MEAN, QUANT_MAX = "diag/quant_rel_err", "diag/quant_rel_err_max"
+QUANT_LABEL = "relative error ||q(x) - x|| / ||x||"
+MAX_HEATMAPS = 12
 # A line whose maximum lies further above the lines' typical maximum than FAR times their whole
 # range (in decades, on positive values) is left out of the y-range: one blow-up to 1e13 would
 # otherwise squash every other line flat. It is still drawn, clipped, and marked where it leaves.
@@ -413,13 +425,14 @@ def markdown_tables(tables: dict[str, Table]) -> list[str]:
     ]
 
 
-def report_text(path: Path, jobs: list[Job], tables: list[str], images: list[Path]) -> str:
-    """report.md: a heading with the job counts, the tables, the failed jobs' errors, the plots."""
+def report_text(path: Path, jobs: list[Job], tables: list[str], images: list[Path], notes: tuple[str, ...] = ()) -> str:
+    """report.md: a heading with the job counts, the tables, the failed jobs' errors, notes on the
+    plots (what was left out), the plots."""
     parts = [f"## {path}: {len(jobs)} job{'s' if len(jobs) != 1 else ''}, {status_counts(jobs)}", *tables]
     errors = [f"- job {job.id}: {job.error}" for job in jobs if job.error]
     if errors:
         parts.append("Failed:\n\n" + "\n".join(errors))
-    parts += [f"![{image.stem}]({image.name})" for image in images]
+    parts += [*notes, *(f"![{image.stem}]({image.name})" for image in images)]
     return "\n\n".join(parts) + "\n"
 
 
@@ -481,13 +494,14 @@ def ordered_values(values: list[str | None]) -> list[str | None]:
         return distinct
 
 
-def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[Look], str]:
+def group_looks(groups: list[Group], keys: list[str], styles: bool = True) -> tuple[list[Look], str]:
     """The Look of each group, and the legend title that says what they stand for.
 
     Colour by the value of the first varying key; line style by the second when it has at most four
     values (the first and second swap when only the first fits four). Three or more keys, or two
     with many values each: a colour per group, so no two groups look alike. Past 20 colours, markers
-    tell apart the groups that share one (see palette)."""
+    tell apart the groups that share one (see palette). Not `styles`: every line solid (a plot that
+    dashes a second metric), so a colour per group wherever the line style would have told them apart."""
     values = {key: ordered_values([group.overrides.get(key) for group in groups]) for key in keys}
     colour_key: str | None
     style_key: str | None
@@ -502,6 +516,8 @@ def group_looks(groups: list[Group], keys: list[str]) -> tuple[list[Look], str]:
             colour_key = None
     elif len(keys) > 2:
         colour_key = None
+    if style_key is not None and not styles:
+        colour_key, style_key = None, None
     pairs = palette(len(values[colour_key]) if colour_key else len(groups))
     looks = []
     for i, group in enumerate(groups):
@@ -569,17 +585,30 @@ def group_lines(group: Group, key: str, label: str, look: Look) -> list[Line]:
     return lines
 
 
-def plot_data(jobs: list[Job], key: str) -> tuple[list[Line], str]:
-    """Every line of the plot of `key`, group by group, and the legend's title."""
+def plot_data(jobs: list[Job], key: str, dashed_key: str | None = None) -> tuple[list[Line], str]:
+    """Every line of the plot of `key`, group by group, and the legend's title. With `dashed_key`, each
+    group's lines of it follow, dashed in the group's colour (see dashed)."""
     groups = group_jobs(jobs)
     keys = [k for k in shown_overrides(jobs) if not is_seed(k)]
-    looks, title = group_looks(groups, keys)
+    looks, title = group_looks(groups, keys, styles=dashed_key is None)  # the dashes say which metric
     lines = []
     for group, look in zip(groups, looks):
         lines += group_lines(group, key, group_name(group, keys), look)
+        if dashed_key is not None:
+            lines += [dashed(line) for line in group_lines(group, dashed_key, group_name(group, keys), look)]
     if any(line.band for line in lines):
         title = "\n".join(filter(None, [title, "bands: ±std over completed seeds"]))
+    if dashed_key is not None and any(line.label.startswith("_") for line in lines):
+        title = "\n".join(filter(None, [title, f"dashed, same colour: {dashed_key}"]))
     return lines, title
+
+
+def dashed(line: Line) -> Line:
+    """A second metric's line (a maximum beside its mean): dashed, thinner, without a band (two bands
+    per group would cover each other), and out of the legend (its label starts with _), whose title
+    says what the dashes are: the legend would otherwise list every configuration twice."""
+    look = dataclasses.replace(line.look, style="--")
+    return dataclasses.replace(line, label=f"_{line.label}", look=look, band=None, lowest=None, width=1.2)
 
 
 def band_edges(line: Line, log: bool) -> tuple[list[float], list[float]]:
@@ -756,14 +785,16 @@ def draw_line(ax: Any, line: Line, bottom: float, top: float, scale: str) -> Any
     return (Patch(facecolor=look.colour, alpha=0.18), drawn)
 
 
-def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False, whole: bool = False) -> Any:
+def line_figure(
+    jobs: list[Job], key: str, title: str, log2_y: bool = False, whole: bool = False, dashed_key: str | None = None
+) -> Any:
     """The Figure of `key` against step, a line per group or job that logged it; None when none did.
-    whole: the y-range takes in every line (see y_range)."""
+    whole: the y-range takes in every line (see y_range). dashed_key: a second metric, dashed (see plot_data)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    lines, legend_title = plot_data(jobs, key)
+    lines, legend_title = plot_data(jobs, key, dashed_key)
     if not any(extent(line) for line in lines):
         return None
     bottom, top, scale = y_range(lines, log2_y, whole)
@@ -771,13 +802,16 @@ def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False, who
         legend_title += "\n(log axis: a band's lower edge stops at the lowest seed)"
     stack_coinciding(lines, scale, bottom, top)
     # the legend grows with the lines (and their wrapped labels); the figure grows with it
-    label_rows = sum(1 + len(line.label) // 52 for line in lines) + 2
+    label_rows = sum(1 + len(line.label) // 52 for line in lines if not line.label.startswith("_")) + 2
     # a bare Figure on the Agg canvas: no pyplot state, no display needed (headless machines, tests)
     fig = Figure(figsize=(11, min(max(5.0, 0.2 * label_rows + 1.0), 30.0)), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     handles = [draw_line(ax, line, bottom, top, scale) for line in lines]
     labels = [(handle[1] if isinstance(handle, tuple) else handle).get_label() for handle in handles]
+    # an explicit handle list shows every label, even those that (like a dashed line's) start with _
+    shown = [i for i, label in enumerate(labels) if not label.startswith("_")]
+    handles, labels = [handles[i] for i in shown], [labels[i] for i in shown]
     if scale == "log2":
         ax.set_yscale("log", base=2)
     elif scale == "log":
@@ -802,9 +836,17 @@ def line_figure(jobs: list[Job], key: str, title: str, log2_y: bool = False, who
     return fig
 
 
-def plot_lines(jobs: list[Job], key: str, title: str, path: Path, log2_y: bool = False, whole: bool = False) -> bool:
+def plot_lines(
+    jobs: list[Job],
+    key: str,
+    title: str,
+    path: Path,
+    log2_y: bool = False,
+    whole: bool = False,
+    dashed_key: str | None = None,
+) -> bool:
     """Write the plot of `key` against step to `path`; False (and no file) when no job logged it."""
-    fig = line_figure(jobs, key, title, log2_y, whole)
+    fig = line_figure(jobs, key, title, log2_y, whole, dashed_key)
     if fig is None:
         return False
     fig.savefig(path, dpi=100)
@@ -918,6 +960,109 @@ def sweep_figure(jobs: list[Job], key: str, metric: str) -> Any:
     return fig
 
 
+def quant_cell(key: str) -> tuple[str, str] | None:
+    """(layer, operand) of a `quant/<layer>/<operand>/rel_err` key, None for any other key. A layer's
+    name has dots (blocks.0.attn.qkv) but no slash, so such a key splits into exactly four parts."""
+    parts = key.split("/")
+    if len(parts) == 4 and parts[0] == "quant" and parts[3] == "rel_err":
+        return parts[1], parts[2]
+    return None
+
+
+@dataclass
+class QuantMap:
+    """A job's relative quantization error at one step: a row per layer, a column per operand."""
+
+    step: float
+    layers: list[str]  # in the order the step's row logged them: the model's order
+    operands: list[str]
+    values: list[list[float]]  # nan where the layer logged no such operand (or logged a nan)
+    texts: list[list[str]]  # each cell's annotation: 2 significant digits, "" where not logged
+
+
+def quant_map(rows: list[dict[str, Any]]) -> QuantMap | None:
+    """The rel_err of each layer and operand at the last step that logged any (only diagnostics steps
+    do; an earlier step may have other layers, so one step is shown, never a mix); None when no step did."""
+    row = next((row for row in reversed(rows) if any(quant_cell(key) for key in row)), None)
+    if row is None:
+        return None
+    cells = {cell: float(value) for key, value in row.items() if (cell := quant_cell(key))}
+    layers = list(dict.fromkeys(layer for layer, _ in cells))
+    # the three operands always, so that a missing one shows as a blank column; any other after them
+    operands = list(dict.fromkeys([*QUANT_OPERANDS, *(operand for _, operand in cells)]))
+    values = [[cells.get((layer, op), math.nan) for op in operands] for layer in layers]
+    texts = [[f"{cells[layer, op]:.2g}" if (layer, op) in cells else "" for op in operands] for layer in layers]
+    return QuantMap(row["step"], layers, operands, values, texts)
+
+
+def quant_norm(values: Any) -> Any:
+    """The colour scale: log when the positive errors span 10x or more (an fp4 gradient's error beside an
+    fp8 weight's would leave every fp8 cell the same dark colour), from 0 otherwise."""
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
+
+    finite = values[np.isfinite(values)]
+    positive = finite[finite > 0]
+    if positive.size and positive.max() >= 10 * positive.min():
+        return LogNorm(float(positive.min()), float(positive.max()), clip=True)  # clip: an exact 0 at the bottom
+    return Normalize(0.0, float(finite.max()) if finite.size and finite.max() > 0 else 1.0)
+
+
+def quant_heatmap(qmap: QuantMap, title: str) -> Any:
+    """The Figure of a QuantMap: a cell per layer and operand coloured by its error and annotated with
+    it; grey and blank where the layer logged no such operand."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    values = np.asarray(qmap.values, dtype=float)
+    norm = quant_norm(values)
+    height = min(max(4.0, 0.3 * len(qmap.layers) + 2.0), 60.0)  # a row of text per layer, however many
+    fig = Figure(figsize=(8, height), layout="constrained")
+    FigureCanvasAgg(fig)  # as line_figure: no pyplot state
+    ax = fig.subplots()
+    cmap = colormaps["viridis"].with_extremes(bad="0.85")  # perceptually uniform; nan (not logged): grey
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
+    for i, texts in enumerate(qmap.texts):
+        for j, text in enumerate(texts):
+            # white on viridis' dark low end, black on its light high end and on grey
+            dark = math.isfinite(values[i, j]) and float(norm(values[i, j])) < 0.5
+            ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    ax.set_xticks(range(len(qmap.operands)), qmap.operands)
+    ax.set_yticks(range(len(qmap.layers)), qmap.layers, fontsize=8)
+    ax.set_xlabel("operand")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize="medium")
+    fig.colorbar(image, ax=ax, label=QUANT_LABEL)
+    return fig
+
+
+def heatmap_name(job: Job) -> str:
+    """quant_heatmap_<job id>.png, the id made safe for a file name and a W&B key (no / or .)."""
+    return "quant_heatmap_" + "".join(c if c.isalnum() or c in "-_" else "_" for c in job.id) + ".png"
+
+
+def write_heatmaps(jobs: list[Job], out: Path) -> tuple[list[Path], list[str]]:
+    """A heatmap per job with quantization statistics (the first MAX_HEATMAPS of them), and report.md's
+    line naming the jobs left out (none when none were)."""
+    maps = [(job, qmap) for job in jobs if (qmap := quant_map(job.rows)) is not None]
+    keys = shown_overrides(jobs)
+    images = []
+    for job, qmap in maps[:MAX_HEATMAPS]:
+        run = " ".join([f"job {job.id}:", *(f"{k}={job.overrides[k]}" for k in keys if k in job.overrides)])
+        title = f"{textwrap.fill(run, 60)}\nrelative quantization error at step {step_text(qmap.step)}"
+        quant_heatmap(qmap, title).savefig(out / heatmap_name(job), dpi=100)
+        images.append(out / heatmap_name(job))
+    left_out = [job.id for job, _ in maps[MAX_HEATMAPS:]]
+    if not left_out:
+        return images, []
+    return images, [
+        f"Quantization heatmaps for the first {MAX_HEATMAPS} of the {len(maps)} jobs with quantization "
+        f"statistics; {len(left_out)} left out: job{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}."
+    ]
+
+
 def wandb_value(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
 
@@ -989,8 +1134,8 @@ def note(message: str) -> None:
 
 def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) -> int:
     """Print the tables, write report.md, loss.png, scale.png, sweep.png (final val/loss against a
-    swept number such as the lr) and the logit plots of transformer diagnostics into `out` (default:
-    PATH); 0 on success."""
+    swept number such as the lr), the logit plots of transformer diagnostics and the quantization
+    error plots (quant_err.png, quant_heatmap_<job>.png) into `out` (default: PATH); 0 on success."""
     jobs = find_jobs(path)
     root = path.resolve()
     out = out or path
@@ -1017,8 +1162,15 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     for key, name, title in LOGIT_PLOTS:  # diagnostics=grads on a transformer: where instabilities show first
         if plot_lines(jobs, key, f"{title}: {where}", out / name, whole=True):  # the growth is the point
             images.append(out / name)
+    # an emulated number format with diagnostics=grads: how much each format loses, step by step
+    # (whole: a format whose error is far above the others' is the finding), then where in the model
+    title = f"quantization relative error, mean over layers and operands (dashed: the largest): {where}"
+    if plot_lines(jobs, QUANT_MEAN, title, out / "quant_err.png", whole=True, dashed_key=QUANT_MAX):
+        images.append(out / "quant_err.png")
+    heatmaps, notes = write_heatmaps(jobs, out)
+    images += heatmaps
 
-    text = report_text(path, jobs, markdown_tables(tables), images)
+    text = report_text(path, jobs, markdown_tables(tables), images, tuple(notes))
     (out / "report.md").write_text(text)
     print(text, end="", flush=True)
     note(f"wrote {', '.join(p.name for p in [out / 'report.md', *images])} in {out}")

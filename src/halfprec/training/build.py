@@ -116,7 +116,7 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     policy = PrecisionPolicy.from_config(cfg.precision, device.type)
     policy.apply_backend_flags()
     policy.prepare_model(model)
-    policy.apply_fp8(model)
+    policy.quantize_layers(model, cfg.seed, world.rank)
     if use_channels_last(cfg.trainer.channels_last, model, device):
         model.to(memory_format=torch.channels_last)  # convs then pick NHWC kernels (faster with AMP on GPUs)
     # same seed, so the same weights on every rank (DDP also broadcasts rank 0's); FSDP shards

@@ -41,7 +41,19 @@ RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "traine
                      "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps")  # fmt: skip
 # Keys added after checkpoints were first written, with the value every older version behaved as:
 # a checkpoint whose config lacks the key resumes when the run asks for that value.
-IMPLIED_BY_OLDER_CHECKPOINTS = {"task.name": "classification"}
+IMPLIED_BY_OLDER_CHECKPOINTS = {
+    "task.name": "classification",
+    # from before the number formats: no layer quantized
+    "precision.format": None,
+    "precision.recipe.grad_format": None,
+    "precision.recipe.stochastic_grads": False,
+    "precision.recipe.hadamard": False,
+    "precision.recipe.weight_2d": False,
+    "precision.recipe.scale_rule": "floor",
+    "precision.rules": [],
+    "precision.high_first": 0,
+    "precision.high_last": 0,
+}
 # What a run is. A checkpoint that differs in any of them is another run's: said first, all at once,
 # rather than the first detail that differs (data.batch_size of a language model's checkpoint).
 IDENTITY = ("task.name", "model.arch", "data.name", "precision.name", "optim._target_")

@@ -8,6 +8,7 @@ Everything is computed on the device and read back in one transfer per diagnosti
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Protocol, cast, runtime_checkable
 
@@ -17,6 +18,7 @@ from torch import nn
 from halfprec.numerics.grads import full
 from halfprec.numerics.params import ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
+from halfprec.numerics.quantized import OPERANDS, QuantizedLinear
 from halfprec.training.tracking import Histogram
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
@@ -70,6 +72,8 @@ class Diagnostics:
         # attention layers that can record their logits' maximum (a GPT's)
         self.attention = [name for name, m in model.named_modules() if isinstance(m, RecordsLogits)]
         self._log_z: list[torch.Tensor] = []  # per micro-batch: [mean, max] of the output's log Z
+        self.quantized = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+        self._quant: dict[str, dict[str, torch.Tensor]] = {}
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 1 or step % self.every == 0)
@@ -151,6 +155,37 @@ class Diagnostics:
         self._log_z = []
         return row
 
+    @contextlib.contextmanager
+    def watch_quantization(self) -> Iterator[None]:
+        """Where the bits go: each quantized layer sums, over this step's micro-batches, the error
+        and the values lost to underflow and saturation of its operands (QuantizedLinear.record)."""
+        layers = [cast(QuantizedLinear, self.model.get_submodule(name)) for name in self.quantized]
+        for layer in layers:
+            layer.stats = {}
+        try:
+            yield
+        finally:
+            self._quant = {name: layer.stats or {} for name, layer in zip(self.quantized, layers)}
+            for layer in layers:
+                layer.stats = None
+
+    def _quant_row(self) -> dict:
+        """quant/<layer>/<operand>/{rel_err, underflow, saturated} and the model's mean and largest
+        rel_err, from the sums of watch_quantization, read back in one transfer."""
+        quant, self._quant = self._quant, {}
+        keys = [(layer, op) for layer, stats in quant.items() for op in OPERANDS if op in stats]
+        if not keys:
+            return {}
+        sums = torch.stack([quant[layer][op] for layer, op in keys]).cpu().tolist()  # the one host read
+        row: dict = {}
+        for (layer, op), (sq_err, sq_norm, count, nonzero, under, sat) in zip(keys, sums):
+            row[f"quant/{layer}/{op}/rel_err"] = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
+            row[f"quant/{layer}/{op}/underflow"] = under / nonzero if nonzero else 0.0
+            row[f"quant/{layer}/{op}/saturated"] = sat / count if count else 0.0
+        errors = [row[f"quant/{layer}/{op}/rel_err"] for layer, op in keys]
+        row["diag/quant_rel_err"], row["diag/quant_rel_err_max"] = sum(errors) / len(errors), max(errors)
+        return row
+
     def _add_act(self, name: str, counts: torch.Tensor) -> None:
         self._act_counts[name] = counts + self._act_counts.get(name, 0)
 
@@ -168,6 +203,7 @@ class Diagnostics:
             names = [n for n in self.compute_layers if n in self._act_counts]  # model order
             row.update(_fractions("act", names, torch.stack([self._act_counts[n] for n in names]).cpu()))
         row.update(self._logit_row())
+        row.update(self._quant_row())
         self._grad_counts = self._grad_hists = None
         self._act_counts = {}
         return row

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, open_dict
 from halfprec.config import config_warnings, resolve_device, validate, validate_optimizer
 from halfprec.errors import Interrupted, Preempted, naming
 from halfprec.machine import launcher, torch_threads
+from halfprec.numerics.layers import layer_table
 from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted
 from halfprec.training import distributed
 from halfprec.training.build import Components, build, lr_factor, schedule_args
@@ -111,10 +112,13 @@ def lr_note(cfg: DictConfig, ckpt: dict) -> str | None:
     )
 
 
-def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int) -> None:
-    """Once everything is built: where this run writes, and where it continues from; then the
-    settings that work but rarely do what was meant."""
+def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int, layers: dict[str, str]) -> None:
+    """Once everything is built: where this run writes, which Linear layers compute in which number
+    format (if any is quantized), and where it continues from; then the settings that work but
+    rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
+    for line in layer_table(layers):
+        print(line, file=sys.stderr)
     for line in config_warnings(cfg):
         print(f"warning: {line}", file=sys.stderr)
     if resumed_from is not None:
@@ -134,7 +138,7 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
-        say_where(cfg, run_dir, path, loop.step)
+        say_where(cfg, run_dir, path, loop.step, c.policy.layers)
         resume_step = loop.step if ckpt else None
         tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt["wandb_id"] if ckpt else None)
     else:

@@ -55,7 +55,8 @@ class Stepper:
         `inspect` sees the unscaled gradients before clipping (diagnostics); `compute_norm=False`
         leaves out the gradient norm (None) unless clipping needs it: the loop asks for it on the
         steps that log it."""
-        net, params, k = net or self.net, self.params, len(micro_batches)
+        # `is None`, not `or`: truth-testing a compiled module asks its len(), which a GPT lacks
+        net, params, k = self.net if net is None else net, self.params, len(micro_batches)
         # Dropping the grads before the first backward rather than after the step: same numerics,
         # and on CPU it measured 25% faster (fewer large frees and re-mmaps per step).
         params.drop_grads()

@@ -88,7 +88,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    fp8_skip = ("lm_head",)  # precision=fp8 leaves the output head in the autocast dtype
+    keep_high = ("lm_head",)  # quantized formats leave the output head (tied to the embedding) high
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float,
                  qk_norm: bool, norm: str, mlp: str):  # fmt: skip

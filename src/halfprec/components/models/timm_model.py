@@ -20,13 +20,21 @@ def create_timm_model(
     pretrained: Annotated[bool, Spec(doc="download timm's weights")] = False,
     kwargs=None,  # passed to timm.create_model as they are
 ) -> nn.Module:
-    """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through."""
+    """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through. A model
+    with a patch embedding (ViTs) is built for the data's image size unless kwargs name one."""
     import timm  # ~2 s to import: only when a timm model is asked for
 
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise ConfigError("model.name", name, f"no such timm model; {hint}timm.list_models('*part*') lists them")
-    return timm.create_model(
-        name, pretrained=pretrained, in_chans=input_shape[0], num_classes=num_classes, **dict(kwargs or {})
-    )
+    extra = dict(kwargs or {})
+    model = timm.create_model(name, pretrained=pretrained, in_chans=input_shape[0], num_classes=num_classes, **extra)
+    embed = getattr(model, "patch_embed", None)
+    size = tuple(input_shape[1:])
+    if embed is not None and "img_size" not in extra and tuple(getattr(embed, "img_size", size) or size) != size:
+        # a ViT fixes its input size when built (224 from its name); the data says what it is
+        model = timm.create_model(
+            name, pretrained=pretrained, in_chans=input_shape[0], num_classes=num_classes, img_size=size, **extra
+        )
+    return model

@@ -30,9 +30,11 @@ def rotate(x: torch.Tensor, matrix: torch.Tensor, axis: int) -> torch.Tensor:
     transform, computed in fp32); same shape and dtype as x. The axis must be a multiple of the
     size: rotated padding would not be zeros, and cutting it off would lose what it holds."""
     size = matrix.shape[0]
-    moved = x.float().movedim(axis, -1)
-    if moved.shape[-1] % size:
-        raise ValueError(f"a dimension of {moved.shape[-1]} along axis {axis}: a multiple of {size} is rotated")
-    groups = moved.reshape(*moved.shape[:-1], -1, size)
-    turned = (groups @ matrix.to(groups.device).T).reshape(moved.shape)
-    return turned.movedim(-1, axis).to(x.dtype)
+    moved = x.float().movedim(axis, 0)
+    if moved.shape[0] % size:
+        raise ValueError(f"a dimension of {moved.shape[0]} along axis {axis}: a multiple of {size} is rotated")
+    # matrix @ (groups, size, the rest): wide products, and no copy when the axis is already the first;
+    # (values / size, size) @ matrix^T, the obvious layout, was skinny and ran 10x slower on a CPU
+    groups = moved.reshape(moved.shape[0] // size, size, -1)
+    turned = (matrix.to(moved.device) @ groups).reshape(moved.shape)
+    return turned.movedim(0, axis).to(x.dtype)

@@ -1,0 +1,141 @@
+"""Which Linear layers compute in which number format (precision.format, precision.rules,
+precision.high_first / high_last), and the converters that swap them for quantized layers
+(docs/design.md, "Number formats").
+
+The plan names a format, or `high`, for every Linear layer: the first rule whose glob matches the
+layer's name; else `high` for the first/last N blocks and the output head; else precision.format.
+As in NVIDIA's NVFP4 recipe, embeddings, norms, attention's softmax and convolutions are not Linear
+layers and stay high; so does the output head (a model's `keep_high` names, else its last Linear
+layer) unless a rule names it. A converter swaps the planned layers: QuantizedLinear (emulated, any
+format of numerics/formats) or torchao's Float8Linear (precision.fp8, a real kernel on fp8 GPUs).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from halfprec.errors import ConfigError
+from halfprec.numerics.formats.casts import quiet_import
+from halfprec.numerics.quantized import QuantizedLinear, Recipe
+
+HIGH = "high"  # a layer left as it was: it computes in the run's autocast or parameter dtype
+
+
+@dataclass(frozen=True)
+class Rule:
+    match: str  # a glob on module names: "blocks.3.*", "*.mlp.fc", "lm_head"
+    format: str  # a format of numerics/formats, or high
+
+
+def linear_layers(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The model's transformer blocks (a `blocks` list, as the GPT and timm's ViTs name them)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return []
+    return [f"blocks.{i}" for i in range(len(blocks))]
+
+
+def output_heads(model: nn.Module, linears: list[str]) -> set[str]:
+    """The layers that stay high by default: the model's `keep_high`, else its last Linear layer."""
+    named = getattr(model, "keep_high", None)
+    return set(named) if named is not None else set(linears[-1:])
+
+
+def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int = 0,
+                high_last: int = 0, fits: Callable[[nn.Module], bool] = lambda m: True) -> dict[str, str]:  # fmt: skip
+    """Each Linear layer's format or `high` (the module docstring's order); `fits`: whether the
+    converter can take a layer at all (float8: sides that are multiples of 16), else high."""
+    linears = linear_layers(model)
+    for i, rule in enumerate(rules):
+        if not any(fnmatchcase(name, rule.match) for name in linears):
+            shown = ", ".join(linears[:8]) + (", ..." if len(linears) > 8 else "")
+            raise ConfigError(f"precision.rules[{i}].match", rule.match, f"matches no Linear layer; they are {shown}")
+    blocks = block_names(model)
+    if (high_first or high_last) and not blocks:
+        raise ConfigError(
+            "precision.high_first" if high_first else "precision.high_last", high_first or high_last,
+            f"{type(model).__name__} names no transformer blocks (a `blocks` list): use precision.rules",
+        )  # fmt: skip
+    high_blocks = blocks[:high_first] + blocks[len(blocks) - high_last :]
+    heads = output_heads(model, linears)
+    plan = {}
+    for name in linears:
+        chosen = next((r for r in rules if fnmatchcase(name, r.match)), None)
+        if chosen is not None:
+            plan[name] = chosen.format
+        elif name in heads or any(name.startswith(f"{b}.") for b in high_blocks):
+            plan[name] = HIGH
+        else:
+            plan[name] = fmt or HIGH
+        if not fits(model.get_submodule(name)):
+            plan[name] = HIGH
+    return plan
+
+
+def layer_seed(seed: int, name: str, rank: int) -> int:
+    """A layer's stochastic-rounding seed: the run's seed, the layer's name (crc32: the same in every
+    process, where str hashes are not) and the rank (ranks round their own gradients independently)."""
+    return (seed << 40) ^ (rank << 32) ^ zlib.crc32(name.encode())
+
+
+def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int) -> None:
+    """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters."""
+    for name, fmt in plan.items():
+        if fmt == HIGH:
+            continue
+        parent, _, child = name.rpartition(".")
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        quantized = QuantizedLinear.from_linear(linear, fmt, recipe, layer_seed(seed, name, rank))
+        setattr(model.get_submodule(parent) if parent else model, child, quantized)
+
+
+def float8_fits(module: nn.Module) -> bool:
+    assert isinstance(module, nn.Linear)
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0  # what float8 matmuls need
+
+
+def swap_float8(model: nn.Module, plan: dict[str, str], recipe: str, emulate: bool) -> None:
+    """torchao's Float8Linear for each planned layer, before any wrapping (DDP, FSDP2, torch.compile)
+    as torchao asks."""
+    with quiet_import():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: plan.get(name, HIGH) != HIGH)
+
+
+def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
+    """The plan as a few lines for the start of a run: each format, how many Linear layers compute
+    in it, and the first few of them (`high` last)."""
+    by_format: dict[str, list[str]] = {}
+    for name, fmt in plan.items():
+        by_format.setdefault(fmt, []).append(name)
+    order = sorted(by_format, key=lambda f: f == HIGH)  # stable: formats in model order, high last
+    width = max(len(f) for f in order) if order else 0
+    lines = []
+    for i, fmt in enumerate(order):
+        names = by_format[fmt]
+        listed = ", ".join(names[:shown]) + (f", +{len(names) - shown} more" if len(names) > shown else "")
+        lines.append(f"{'layers:' if i == 0 else '':8}{fmt:{width}}  {len(names):3d}  {listed}")
+    return lines
+
+
+def layer_format(module: nn.Module) -> str:
+    """The format a layer computes in, read off the layer itself (the first-step check compares it
+    with the plan): a QuantizedLinear's, float8 for torchao's Float8Linear, else high."""
+    if isinstance(module, QuantizedLinear):
+        return module.format
+    config = getattr(module, "config", None)
+    if type(module).__name__ == "Float8Linear" and config is not None:
+        return "float8"
+    return HIGH

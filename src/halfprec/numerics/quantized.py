@@ -1,0 +1,170 @@
+"""A Linear layer whose three GEMMs compute on the values of a number format, emulated on any
+device (docs/design.md, "Number formats").
+
+For y = x W^T + b (x: tokens x in, W: out x in), as block-scaled tensor cores do:
+
+    forward        y  = q(x  along in)      q(W along in)^T
+    input grad     dx = q(dy along out)     q(W along out)
+    weight grad    dW = q(dy along tokens)^T q(x along tokens)
+
+each operand blocked along the dimension its GEMM contracts: the same tensor is re-blocked along
+another axis for another GEMM (square weight blocks give W one set of values for both). The
+dequantized operands are multiplied in fp32, as the hardware multiplies them exactly and
+accumulates in fp32, and the output comes back in the autocast dtype (or the input's). Operands are
+quantized from the values they hold: the fp32 weight, the input as the layer before gave it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halfprec.numerics.formats import FORMATS, quantize
+from halfprec.numerics.formats.hadamard import random_hadamard, rotate
+
+OPERANDS = ("input", "weight", "grad_output")  # the operands quantization statistics are kept for
+HADAMARD_SIZE = 16
+# a 64-bit odd constant (2^64 / golden ratio): seeds of successive backward passes far apart
+SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a layer's GEMMs use its format (precision.recipe): the gradient's own format (null: the
+    layer's), stochastic rounding of the gradient operand, the random Hadamard transform of both
+    weight-gradient operands, square weight blocks, and the MX formats' E8M0 scale rule."""
+
+    grad_format: str | None = None
+    stochastic_grads: bool = False
+    hadamard: bool = False
+    weight_2d: bool = False
+    scale_rule: str = "floor"
+
+
+class QuantizedLinear(nn.Linear):
+    """nn.Linear whose forward and backward GEMMs take their operands in `format` (see the module
+    docstring). Stochastic rounding draws from a generator seeded by the layer's `seed` and the
+    number of backward passes so far, which the state dict keeps: a resumed run draws what an
+    unbroken one would. With `stats` a dict, each forward and backward adds its quantization
+    statistics to it (diagnostics steps)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, recipe: Recipe, seed: int,
+                 device: Any = None, dtype: torch.dtype | None = None):  # fmt: skip
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.format, self.recipe, self.seed = fmt, recipe, seed
+        self.grad_format = recipe.grad_format or fmt
+        self.backward_passes = 0
+        self.stats: dict[str, torch.Tensor] | None = None
+        self.hadamard_matrix: torch.Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, recipe: Recipe, seed: int) -> QuantizedLinear:
+        """The same Parameters (a tied weight stays tied) in a layer that quantizes them."""
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, False, fmt, recipe, seed, w.device, w.dtype)
+        layer.weight, layer.bias = linear.weight, linear.bias
+        return layer
+
+    # Eager under trainer.compile (the rest of the model compiles around it): torch 2.14's inductor
+    # fails on the blocked views (an AssertionError in its CPU loop splitting), and a layer whose
+    # statistics and random draws are Python state would recompile on every change of them.
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantizedMatmul.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.format}, grad_format={self.grad_format}"
+
+    def get_extra_state(self) -> dict:
+        return {"backward_passes": self.backward_passes}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.backward_passes = int(state["backward_passes"])
+
+    def quantize(self, t: torch.Tensor, operand: str, axis: int, generator: torch.Generator | None = None,
+                 record: bool = False) -> torch.Tensor:  # fmt: skip
+        """`t` (an `operand` of OPERANDS) blocked along `axis` in the layer's format for it, in fp32;
+        `record`: add its statistics to `stats` when they are kept."""
+        name = self.grad_format if operand == "grad_output" else self.format
+        rule = self.recipe.scale_rule if FORMATS[name].scale == "e8m0" else "floor"
+        tile = self.recipe.weight_2d and operand == "weight"
+        rounding = "nearest" if generator is None else "stochastic"
+        counting = record and self.stats is not None
+        q, saturated = quantize(t.float(), name, axis, rounding, generator, tile, rule, count_saturated=counting)
+        if counting:
+            self.record(operand, t.float(), q, saturated)
+        return q
+
+    @torch.no_grad()
+    def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
+        """Sums over the step's micro-batches, on the device: squared error, squared norm, values,
+        non-zero values, non-zero values that became 0, saturated values."""
+        nonzero = t != 0
+        parts = [(q - t).square().sum(), t.square().sum(), torch.tensor(t.numel(), device=t.device),
+                 nonzero.sum(), (nonzero & (q == 0)).sum(), saturated]  # fmt: skip
+        sums = torch.stack([p.float() for p in parts])
+        assert self.stats is not None
+        self.stats[operand] = sums + self.stats.get(operand, 0)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of this backward pass's stochastic rounding (None: rounded to nearest)."""
+        if not self.recipe.stochastic_grads:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.seed + self.backward_passes * SEED_STRIDE) % 2**63)
+        self.backward_passes += 1
+        return gen
+
+    def weight_grad_operands(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dy and x for dW = dy^T x; with the recipe's Hadamard transform, both rotated along the
+        tokens by the same orthogonal 16x16 matrix (tokens padded with zeros to a multiple of 16:
+        zero rows add nothing to dy^T x, rotated or not)."""
+        if not self.recipe.hadamard:
+            return dy, x
+        pad = -dy.shape[0] % HADAMARD_SIZE
+        dy, x = F.pad(dy, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))
+        if self.hadamard_matrix is None:  # one per layer, drawn from its seed
+            self.hadamard_matrix = random_hadamard(HADAMARD_SIZE, torch.Generator().manual_seed(self.seed))
+        return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
+
+
+class QuantizedMatmul(torch.autograd.Function):
+    """x W^T + b and its two gradients on quantized operands (QuantizedLinear's module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: QuantizedLinear) -> torch.Tensor:  # fmt: skip
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        flat = x.reshape(-1, x.shape[-1])
+        with torch.autocast(device, enabled=False):  # the product of the quantized values, in fp32
+            y = layer.quantize(flat, "input", -1, record=True) @ layer.quantize(weight, "weight", -1, record=True).T
+            if bias is not None:
+                y = y + bias.float()
+        # the operands as they came: the backward GEMMs block them along other axes
+        ctx.save_for_backward(flat, weight)
+        ctx.layer, ctx.shape, ctx.bias_dtype = layer, x.shape, None if bias is None else bias.dtype
+        return y.to(out_dtype).reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        flat, weight = ctx.saved_tensors
+        layer: QuantizedLinear = ctx.layer
+        dy = grad.reshape(-1, grad.shape[-1]).float()
+        gen = layer.generator(dy.device)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dyq = layer.quantize(dy, "grad_output", -1, gen, record=True)
+            dx = (dyq @ layer.quantize(weight, "weight", 0)).to(flat.dtype).reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            g, x = layer.weight_grad_operands(dy, flat)
+            first = not ctx.needs_input_grad[0]  # the layer's statistics of dy, if dx took none
+            dw = layer.quantize(g, "grad_output", 0, gen, record=first).T @ layer.quantize(x, "input", 0)
+            dw = dw.to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.sum(0).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
+        return dx, dw, db, None

@@ -1,0 +1,247 @@
+"""The quantized Linear layer (numerics/quantized.py) and which layers get which format
+(numerics/layers.py): each GEMM against the same product written out by hand with fake_quantize,
+the recipe switches, the rules, and the CLI as a user runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from halfprec.config import validate
+from halfprec.errors import ConfigError
+from halfprec.numerics.formats import fake_quantize as fq
+from halfprec.numerics.formats.hadamard import random_hadamard, rotate
+from halfprec.numerics.layers import HIGH, Rule, plan_layers, swap_emulated
+from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.training.build import build
+from halfprec.training.run import run
+
+from helpers import compose_cfg
+
+GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
+
+
+def layer_and_grads(fmt: str, recipe: Recipe, tokens: int = 12, seed: int = 0):
+    """A 32 -> 48 QuantizedLinear with a bias, run forward and backward on (2, tokens/2, 32) inputs."""
+    torch.manual_seed(seed)
+    linear = nn.Linear(32, 48)
+    layer = QuantizedLinear.from_linear(linear, fmt, recipe, seed=7)
+    x = torch.randn(2, tokens // 2, 32, requires_grad=True)
+    y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    return layer, x.detach().reshape(-1, 32), linear.weight.detach(), dy.reshape(-1, 48), y.detach(), x.grad
+
+
+@pytest.mark.parametrize(
+    "fmt, recipe",
+    [
+        ("mxfp4", Recipe()),
+        ("mxfp8", Recipe(scale_rule="rceil")),
+        ("nvfp4", Recipe(weight_2d=True)),
+        ("fp8_e4m3", Recipe(grad_format="fp8_e5m2")),
+        ("fp8_block", Recipe(weight_2d=True)),
+    ],
+)
+def test_each_gemm_quantizes_its_operands_along_the_dimension_it_contracts(fmt, recipe):
+    layer, x, w, dy, y, dx = layer_and_grads(fmt, recipe)
+    g = recipe.grad_format or fmt
+    rule = {"scale_rule": recipe.scale_rule} if fmt.startswith("mx") else {}
+    tile = recipe.weight_2d
+    # y = x W^T: x and W blocked along `in`; dx = dy W: dy and W along `out`; dW = dy^T x: along the tokens
+    expected_y = fq(x, fmt, -1, **rule) @ fq(w, fmt, -1, tile=tile, **rule).T + layer.bias.detach()
+    expected_dx = fq(dy, g, -1, **rule) @ fq(w, fmt, 0, tile=tile, **rule)
+    expected_dw = fq(dy, g, 0, **rule).T @ fq(x, fmt, 0, **rule)
+    assert torch.equal(y.reshape(-1, 48), expected_y)
+    assert torch.equal(dx.reshape(-1, 32), expected_dx)
+    assert torch.equal(layer.weight.grad, expected_dw)
+    assert torch.equal(layer.bias.grad, dy.sum(0))  # a sum, no GEMM: not quantized
+
+
+def test_the_hadamard_transform_rotates_both_weight_gradient_operands_alone():
+    """dW from the rotated operands (12 tokens padded to 16), the forward and dx untouched; unquantized,
+    the rotation would leave dW as it is."""
+    plain = layer_and_grads("nvfp4", Recipe())
+    layer, x, w, dy, y, dx = layer_and_grads("nvfp4", Recipe(hadamard=True))
+    assert torch.equal(y, plain[4]) and torch.equal(dx, plain[5])
+    h = random_hadamard(16, torch.Generator().manual_seed(7))
+    pad = torch.zeros(4, 48), torch.zeros(4, 32)
+    a, b = rotate(torch.cat([dy, pad[0]]), h, 0), rotate(torch.cat([x, pad[1]]), h, 0)
+    assert torch.equal(layer.weight.grad, fq(a, "nvfp4", 0).T @ fq(b, "nvfp4", 0))
+    assert torch.allclose(a.T @ b, dy.T @ x, atol=1e-5)  # orthogonal: the exact GEMM is unchanged
+    assert not torch.equal(layer.weight.grad, plain[0].weight.grad)
+
+
+def test_stochastic_rounding_touches_only_the_gradient_and_is_unbiased_and_seeded():
+    """rceil: OCP's floor scale lets a block's largest values saturate, a bias no rounding undoes."""
+    near = layer_and_grads("mxfp4", Recipe(scale_rule="rceil"))
+    runs = [layer_and_grads("mxfp4", Recipe(stochastic_grads=True, scale_rule="rceil")) for _ in range(2)]
+    assert torch.equal(runs[0][4], near[4])  # the forward rounds to nearest
+    assert torch.equal(runs[0][5], runs[1][5])  # same seed, same backward pass: same draws
+    assert not torch.equal(runs[0][5], near[5])
+    # E[q(dy)] = dy, and dx is linear in it: the mean of many backward passes is dy q(W along out)
+    layer, x, w, dy, _, _ = runs[0]
+    draws = []
+    for _ in range(400):
+        xi = x.clone().requires_grad_(True)
+        layer(xi).backward(dy)
+        draws.append(xi.grad)
+    draws_t = torch.stack(draws)
+    exact = dy @ fq(w, "mxfp4", 0, scale_rule="rceil")
+    sigma = draws_t.std(0) / len(draws) ** 0.5
+    assert ((draws_t.mean(0) - exact).abs() <= 3 * sigma).float().mean() > 0.97  # 99.7% expected
+    assert layer.backward_passes == 401
+
+
+def test_stochastic_rounding_resumes_from_the_state_dict():
+    """A layer rebuilt from a state dict draws what the first would have drawn next."""
+    layer = layer_and_grads("nvfp4", Recipe(stochastic_grads=True))[0]
+    again = QuantizedLinear(32, 48, True, "nvfp4", Recipe(stochastic_grads=True), seed=7)
+    again.load_state_dict(layer.state_dict())
+    assert again.backward_passes == layer.backward_passes == 1
+    x, dy = torch.randn(6, 32), torch.randn(6, 48)
+    grads = []
+    for m in (layer, again):
+        m.weight.grad = None
+        m(x).backward(dy)
+        grads.append(m.weight.grad)
+    assert torch.equal(*grads)
+
+
+def test_under_autocast_the_product_is_fp32_and_the_output_the_autocast_dtype():
+    layer = QuantizedLinear.from_linear(nn.Linear(32, 16), "mxfp8", Recipe(), seed=0)
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    expected = fq(x.detach(), "mxfp8") @ fq(layer.weight.detach(), "mxfp8").T + layer.bias.detach()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected.bfloat16())
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+
+
+def gpt():
+    return build(compose_cfg(*GPT)).model
+
+
+def test_rules_first_match_wins_then_the_high_blocks_then_the_head():
+    model = gpt()
+    rules = [Rule("blocks.0.mlp.*", "mxfp8"), Rule("*.mlp.fc", HIGH)]
+    plan = plan_layers(model, "nvfp4", rules, high_last=1)
+    assert plan == {
+        "blocks.0.attn.qkv": "nvfp4", "blocks.0.attn.proj": "nvfp4", "blocks.0.mlp.fc": "mxfp8",
+        "blocks.0.mlp.proj": "mxfp8", "blocks.1.attn.qkv": HIGH, "blocks.1.attn.proj": HIGH,
+        "blocks.1.mlp.fc": HIGH, "blocks.1.mlp.proj": HIGH, "lm_head": HIGH,
+    }  # fmt: skip
+    assert plan_layers(model, "mxfp4", [Rule("lm_head", "mxfp4")], high_first=1)["lm_head"] == "mxfp4"
+    assert set(plan_layers(model, "mxfp4", [], high_first=1).values()) == {HIGH, "mxfp4"}
+
+
+def test_a_rule_that_matches_nothing_and_high_blocks_without_blocks_are_config_errors():
+    with pytest.raises(ConfigError, match=r"precision.rules\[1\].match=blocks.9.\*: matches no Linear layer"):
+        plan_layers(gpt(), "nvfp4", [Rule("lm_head", HIGH), Rule("blocks.9.*", HIGH)])
+    mlp = build(compose_cfg()).model
+    with pytest.raises(ConfigError, match="precision.high_last=1: Sequential names no transformer blocks"):
+        plan_layers(mlp, "nvfp4", [], high_last=1)
+
+
+def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
+    model = gpt()
+    swap_emulated(model, plan_layers(model, "mxfp4", [Rule("lm_head", "mxfp4")]), Recipe(), seed=0, rank=0)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.weight is model.wte.weight
+    mlp = build(compose_cfg()).model
+    plan = plan_layers(mlp, "mxfp4", [])
+    assert list(plan.values()) == ["mxfp4", "mxfp4", HIGH]  # the classifier is the MLP's last Linear
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["precision.format=mxfp3"], "precision.format=mxfp3: no such number format; they are fp8_e4m3,"),
+        (["precision=mxfp4", "precision.recipe.weight_2d=true"], "weight_2d=true: mxfp4 has no square blocks"),
+        (["precision=fp8", "precision.format=mxfp8"], "precision.fp8=tensorwise: torchao's float8 layers or"),
+        (["precision=bf16", "precision.high_last=1"], "precision.high_last=1: keeps blocks high while the others"),
+        (
+            ["precision=bf16", "precision.recipe.hadamard=true"],
+            "precision.recipe.hadamard=true: applies to precision.format.s layers; no layer is",
+        ),
+        (["precision=mxfp4", "precision.rules=[{match: lm_head, format: mxfp9}]"], r"precision.rules\[0\].format"),
+        (["precision=mxfp4", "precision.rules=[{match: lm_head}]"], r"precision.rules\[0\]=.*a rule is \{match"),
+        (
+            ["precision=mxfp4", "precision.recipe.scale_rule=up"],
+            "precision.recipe.scale_rule=up: must be floor or rceil",
+        ),
+    ],
+)
+def test_format_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_cfg(*GPT, *overrides))
+
+
+def test_a_model_with_nothing_left_to_quantize_is_a_config_error():
+    cfg = compose_cfg("precision=mxfp8", "model.hidden=[]")  # one Linear: the classifier, kept high
+    with pytest.raises(ConfigError, match="no Linear layer of this model is left to quantize"):
+        build(cfg)
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_nvfp4_gpt_trains_logs_its_layers_and_resumes_with_the_same_draws(tmp_path):
+    """The full NVFP4 recipe (stochastic rounding of gradients included) with accumulation: the
+    first row counts the layers per format, and a run stopped at step 3 and resumed logs the same
+    losses as one that was not."""
+    steps = ["precision=nvfp4", "precision.high_last=1", "accum=2", "sched.warmup_steps=1", "trainer.log_every=1",
+             "trainer.val_every=0", "sched.total_steps=6"]  # fmt: skip
+    whole = run(compose_cfg(*GPT, *steps, "trainer.max_steps=6"), tmp_path / "whole")
+    first = rows(tmp_path / "whole")[0]
+    assert first["precision/layers/nvfp4"] == 4 and first["precision/layers/high"] == 5
+    assert first["precision/kernel"] == "emulated"
+    run(compose_cfg(*GPT, *steps, "trainer.max_steps=3"), tmp_path / "parts")
+    resumed = run(compose_cfg(*GPT, *steps, "trainer.max_steps=6", "resume=auto"), tmp_path / "parts")
+    losses = [r["train/loss"] for r in rows(tmp_path / "whole")]
+    assert [r["train/loss"] for r in rows(tmp_path / "parts")] == losses
+    assert resumed["val/loss"] == whole["val/loss"] and losses[-1] < losses[0] - 0.5
+
+
+def test_quantization_statistics_by_hand():
+    """mxfp4, one block of 32 inputs: 7, 0.2 and thirty 1s. The floor scale is 2^(2 - 2) = 1, so 7
+    saturates to 6, 0.2 rounds to 0 (underflow) and the 1s are exact."""
+    layer = QuantizedLinear(32, 1, False, "mxfp4", Recipe(), seed=0)
+    layer.stats = {}
+    x = torch.tensor([[7.0, 0.2] + [1.0] * 30])
+    layer(x).sum().backward()
+    sq_err, sq_norm, count, nonzero, under, saturated = layer.stats["input"].tolist()
+    assert (count, nonzero, under, saturated) == (32, 32, 1, 1)
+    assert sq_err == pytest.approx(1 + 0.2**2) and sq_norm == pytest.approx(49 + 0.2**2 + 30)
+    assert set(layer.stats) == {"input", "weight", "grad_output"}
+
+
+def test_diagnostics_log_where_the_bits_go(tmp_path):
+    cfg = compose_cfg(*GPT, "precision=mxfp4", "diagnostics=grads", "trainer.max_steps=2", "trainer.log_every=1")
+    run(cfg, tmp_path)
+    first = rows(tmp_path)[0]
+    layers = [k.split("/")[1] for k in first if k.startswith("quant/") and k.endswith("/input/rel_err")]
+    assert layers == [f"blocks.{b}.{m}" for b in (0, 1) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+    errors = [v for k, v in first.items() if k.startswith("quant/") and k.endswith("/rel_err")]
+    assert len(errors) == 24 and all(0.01 < e < 0.5 for e in errors)  # E2M1 keeps about 1 significant bit
+    assert first["diag/quant_rel_err"] == pytest.approx(sum(errors) / 24)
+    assert first["diag/quant_rel_err_max"] == max(errors)
+    assert all(0 <= first[k] <= 1 for k in first if k.endswith(("/underflow", "/saturated")))
+
+
+def test_a_vit_and_fp16_autocast_with_a_loss_scaler_train_with_formats(tmp_path):
+    """timm's ViT (built for 32x32 inputs, its blocks named), its last block and head high; the
+    digits MLP in mxfp8 inside fp16 autocast, its loss scaled."""
+    vit = ["model=timm", "model.name=vit_tiny_patch16_224", "data=synthetic", "data.shape=[3,32,32]"]
+    summary = run(
+        compose_cfg(*vit, "precision=mxfp8", "precision.high_last=1", "trainer.max_steps=2"), tmp_path / "vit"
+    )
+    first = rows(tmp_path / "vit")[0]
+    assert first["precision/layers/mxfp8"] == 44 and first["precision/layers/high"] == 5  # 11 blocks x 4 + head
+    assert summary["train/loss"] < 2.5
+    fp16 = run(compose_cfg("precision=mxfp8", "precision.autocast=float16", "trainer.max_steps=60"), tmp_path / "fp16")
+    assert fp16["scaler/final_scale"] > 1 and fp16["val/acc"] > 0.85
