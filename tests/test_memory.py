@@ -91,7 +91,8 @@ def test_adam_step_counts_are_device_memory_only_where_the_update_runs_on_the_de
     c, _ = build_from("precision=fp32", "optim=adamw")
     cuda = torch.device("cuda")  # nothing is allocated: the count only asks where the state would live
     assert optimizer_state_bytes(c.optimizer, c.params, cuda) == 2 * FP32 * N  # foreach: step counts on the host
-    c.optimizer.param_groups[0]["fused"] = True
+    for group in c.optimizer.param_groups:  # weights and biases: two groups (optim.no_decay)
+        group["fused"] = True
     assert optimizer_state_bytes(c.optimizer, c.params, cuda) == 2 * FP32 * N + 6 * 4
 
 

@@ -16,18 +16,25 @@ def check_precision(p: DictConfig, distributed: str) -> None:
     """The precision group's keys together, and with trainer.distributed."""
     if p.autocast and p.param_dtype != "float32":
         raise ConfigError("precision.autocast", p.autocast, "autocast needs fp32 parameters; use null in pure modes")
-    if p.master_weights and p.param_dtype == "float32":
-        raise ConfigError("precision.master_weights", True, f"precision={p.name} keeps fp32 weights already; use false")
-    if p.master_weights and p["update"] != "nearest":  # p.update would be DictConfig.update()
+    master = master_kind(p)
+    key = "precision.master" if p.get("master") else "precision.master_weights"
+    if master != "none" and p.param_dtype == "float32":
+        raise ConfigError(key, p.get("master") or True, f"precision={p.name} keeps fp32 weights already; use null")
+    if master != "none" and p["update"] != "nearest":  # p.update would be DictConfig.update()
         raise ConfigError(
-            "precision.update", p["update"], "applies to low-precision weights without master weights; "
-            "set precision.master_weights=false or precision.update=nearest",
+            "precision.update", p["update"], f"applies to low-precision weights without master weights ({key} "
+            "keeps them); set precision.update=nearest",
         )  # fmt: skip
-    if p["update"] == "stochastic" and p.param_dtype != "bfloat16":
+    if master == "remainder" and p.param_dtype != "bfloat16":
+        raise ConfigError(
+            "precision.master", "remainder", f"splits fp32 masters into bf16 weights and 16-bit remainders, "
+            f"not {p.param_dtype} ones: use precision=bf16_pure",
+        )  # fmt: skip
+    if p["update"] in ("stochastic", "remainder") and p.param_dtype != "bfloat16":
         raise ConfigError(
             "precision.update",
-            "stochastic",
-            f"stochastic rounding is implemented for bfloat16 weights, not {p.param_dtype}",
+            p["update"],
+            f"implemented for bfloat16 weights, not {p.param_dtype}",
         )
     if p.fp8 and (p.autocast != "bfloat16" or p.param_dtype != "float32"):
         raise ConfigError(
@@ -47,6 +54,11 @@ def check_precision(p: DictConfig, distributed: str) -> None:
             p.reduce_dtype,
             "applies to trainer=fsdp only (DDP and one process reduce in fp32)",
         )
+
+
+def master_kind(p: DictConfig) -> str:
+    """none, fp32 (copies: precision.master=fp32 or master_weights=true) or remainder."""
+    return p.get("master") or ("fp32" if p.master_weights else "none")
 
 
 def check_layer_formats(p: DictConfig) -> None:

@@ -42,6 +42,9 @@ class Precision:
     autocast: Dtype | None  # the forward's autocast dtype; null: no autocast (fp32 and pure modes)
     param_dtype: Dtype  # the dtype the weights are stored in
     master_weights: bool  # pure modes: fp32 copies for the optimizer
+    master: Annotated[
+        Literal["fp32", "remainder"] | None, Spec(doc="how master weights are kept; null: as master_weights says")
+    ]
     update: Annotated[str, Spec(doc="a rounding rule of halfprec/numerics/rounding.py: nearest, kahan, stochastic")]
     keep_norm_fp32: bool
     tf32: bool
@@ -171,3 +174,8 @@ class Optim:
     _target_: Annotated[str, Spec(doc="an optimizer class, e.g. torch.optim.SGD")]
     lr: Annotated[float, Spec(low=0, doc="the peak learning rate")]
     clip_grad_norm: Annotated[float | None, Spec(above=0, doc="max global grad norm; null = off")]
+    no_decay: Annotated[
+        list[str], Spec(nonempty=False, doc="what gets no weight decay: low_dim, embeddings, name globs; [] = none")
+    ]
+    state_dtype: Annotated[Literal["float32", "bfloat16"], Spec(doc="the dtype optimizer state is stored in")]
+    state_rounding: Annotated[Literal["nearest", "stochastic"], Spec(doc="how state is rounded to state_dtype")]

@@ -166,10 +166,10 @@ class LowPrecisionParams(ParamStrategy):
     def unscale_(self, inv_scale: float) -> list[torch.Tensor]:
         # fp32 storage for the duration of the update (see finish_)
         self._before = [p.data for p in self.params]
-        for p in self.params:
+        for i, p in enumerate(self.params):
             grad = None if p.grad is None else p.grad.float().mul_(inv_scale)
             p.grad = None
-            p.data = p.data.float()
+            p.data = self.rule.upcast(i, p.data)
             p.grad = grad
         return [p.grad for p in self.params if p.grad is not None]
 

@@ -48,8 +48,10 @@ class PrecisionPolicy:
             name=cfg.name,
             autocast_dtype=DTYPES[cfg.autocast] if cfg.autocast else None,
             param_dtype=DTYPES[cfg.param_dtype],
-            master_weights=bool(cfg.master_weights),
-            update=cfg["update"],  # not cfg.update: that is DictConfig.update()
+            # precision.master=fp32 is master_weights=true; remainder is the rounding rule that keeps
+            # the 16 bits bf16 drops (numerics/rounding.py), so that the update is exact
+            master_weights=cfg.get("master") == "fp32" or (cfg.get("master") is None and bool(cfg.master_weights)),
+            update="remainder" if cfg.get("master") == "remainder" else cfg["update"],  # not cfg.update: a method
             keep_norm_fp32=bool(cfg.keep_norm_fp32),
             tf32=bool(cfg.tf32),
             device_type=device_type,
@@ -149,10 +151,12 @@ class PrecisionPolicy:
         master_dtypes = {t.dtype for t in master}
         if self.master_weights and master_dtypes != {torch.float32}:
             raise PrecisionMismatch(f"precision={self.name}: master weights are not fp32")
+        kind = "fp32" if self.master_weights else "remainder" if self.update == "remainder" else "none"
         dtypes: dict[str, str | int] = {
             "precision/compute_dtype": _name(expected),
             "precision/param_dtype": _name(self.param_dtype),
-            "precision/master_dtype": "float32" if self.master_weights or not self.is_pure else "none",
+            "precision/master_dtype": "float32" if kind != "none" or not self.is_pure else "none",
+            "precision/master": kind,  # remainder: exact fp32 masters rebuilt from bf16 + int16
         }
         return dtypes | self.check_layers(model)
 

@@ -20,6 +20,10 @@ class RoundingRule:
     def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def upcast(self, i: int, stored: torch.Tensor) -> torch.Tensor:
+        """Parameter i's fp32 value for the optimizer to step, from what the weight stores."""
+        return stored.float()
+
 
 class RoundToNearest(RoundingRule):
     """What `.half()` training does: an update smaller than half a step of the stored dtype vanishes."""
@@ -53,6 +57,40 @@ class StochasticRounding(RoundingRule):
         return stochastic_round_to_bf16(updated)
 
 
+class RemainderRounding(RoundingRule):
+    """Exact fp32 master weights in 2 bytes (`precision.master=remainder`; Megatron's
+    store_param_remainders): an fp32 value is a bf16 (its high 16 bits) and 16 low bits, kept here
+    as an int16 remainder, from which the optimizer's fp32 value is rebuilt bit for bit each step.
+
+    The bf16 copy cannot be rounded to nearest with ties to even: at an exact tie the two fp32
+    values that round to one bf16 would need 2^16 + 1 remainders. It rounds to nearest with ties
+    away from zero instead (the bit pattern plus half of the low 16 bits, truncated), so the
+    remainder fits in [-2^15, 2^15): the weights differ from master=fp32's RNE copy at exact ties
+    only (tests/test_remainder.py)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.buffers = [torch.zeros_like(p, dtype=torch.int16) for p in params]
+
+    def upcast(self, i: int, stored: torch.Tensor) -> torch.Tensor:
+        if stored.dtype != torch.bfloat16:  # a module kept in fp32 (norms) is its own master
+            return stored.float()
+        high = stored.view(torch.int16).int() << 16
+        return high.add_(self.buffers[i].int()).view(torch.float32)
+
+    def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        rounded, self.buffers[i] = split_bf16(updated)
+        return rounded
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 -> (bf16 rounded to nearest with ties away from zero, the int16 remainder), such that
+    the fp32 bit pattern is (bf16 bits << 16) + remainder exactly."""
+    bits = x.contiguous().view(torch.int32)
+    high = (bits + 0x8000) >> 16  # arithmetic shift: the sign-magnitude pattern's rounding, ties away from 0
+    remainder = (bits - (high << 16)).to(torch.int16)
+    return high.to(torch.int16).view(torch.bfloat16), remainder
+
+
 def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 to bf16 up or down with probability proportional to the distance.
 
@@ -69,4 +107,5 @@ ROUNDING_RULES: dict[str, type[RoundingRule]] = {
     "nearest": RoundToNearest,
     "kahan": KahanRounding,
     "stochastic": StochasticRounding,
+    "remainder": RemainderRounding,  # what precision.master=remainder selects
 }

@@ -16,6 +16,7 @@ from torch import nn
 
 from halfprec.components.tasks import Task
 from halfprec.components.tasks.classification import Classification
+from halfprec.numerics.optimizers import LowPrecisionState
 from halfprec.numerics.params import ParamStrategy, nbytes
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training.distributed import is_sharded
@@ -33,6 +34,10 @@ STATE_TENSORS = {
     torch.optim.Adam: lambda group: 3 if group["amsgrad"] else 2,
     torch.optim.AdamW: lambda group: 3 if group["amsgrad"] else 2,
 }
+# torchao's low-bit AdamW (torchao.optim): each moment of a tensor of at least 4096 values, a multiple
+# of the block, is stored as codes (bytes per value), an fp32 scale per block and a code book of
+# fp32 values per tensor; smaller tensors keep fp32 moments.
+TORCHAO_STATE = {"AdamW8bit": (1.0, 256), "AdamW4bit": (0.5, 16), "AdamWFp8": (1.0, 0)}  # bytes/value, code book
 # Adam keeps a float32 `step` count per parameter; it sits with the parameters only when the update
 # runs there (fused, capturable), otherwise on the host.
 STEP_COUNTERS = (torch.optim.Adam, torch.optim.AdamW)
@@ -120,6 +125,10 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrategy, device: torch.device) -> int:
     """The state `optimizer` will hold once it has stepped every parameter, in bytes on `device`."""
+    if isinstance(optimizer, LowPrecisionState):  # it says what it keeps
+        return low_precision_state_bytes(optimizer, device)
+    if type(optimizer).__module__.startswith("torchao.optim") and type(optimizer).__name__ in TORCHAO_STATE:
+        return torchao_state_bytes(optimizer)
     rule = STATE_TENSORS.get(type(optimizer))
     if rule is None:
         known = ", ".join(cls.__name__ for cls in STATE_TENSORS)
@@ -134,6 +143,32 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrateg
         step_count = torch.float32.itemsize if isinstance(optimizer, STEP_COUNTERS) and on_device else 0
         for t in group["params"]:
             total += rule(group) * t.numel() * params.optimizer_dtype(t).itemsize + step_count
+    return total
+
+
+def low_precision_state_bytes(optimizer: LowPrecisionState, device: torch.device) -> int:
+    """The state of halfprec's own optimizers, from their `state_layout`, plus AdamW's `step` count
+    (a float32 scalar per parameter, on the host: counted on a CPU, as torch's)."""
+    total = 0
+    counts = device.type == "cpu" and "exp_avg" in optimizer.STATE_KEYS
+    for group in optimizer.param_groups:
+        per_value = sum(dtype.itemsize for dtype in optimizer.state_layout(group))
+        total += sum(per_value * t.numel() + (torch.float32.itemsize if counts else 0) for t in group["params"])
+    return total
+
+
+def torchao_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """torchao's low-bit AdamW: two moments per parameter (TORCHAO_STATE) and a float32 step count,
+    which it keeps beside the parameter."""
+    per_value, book = TORCHAO_STATE[type(optimizer).__name__]
+    total = 0
+    for group in optimizer.param_groups:
+        block = optimizer.block_size  # type: ignore[attr-defined]
+        for t in group["params"]:
+            n = t.numel()
+            quantized = n >= 4096 and n % block == 0
+            moment = int(n * per_value + 4 * (n // block + book)) if quantized else 4 * n
+            total += 2 * moment + torch.float32.itemsize
     return total
 
 

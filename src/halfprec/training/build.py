@@ -10,7 +10,7 @@ from typing import cast
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from halfprec.components.data import Dataset, build_dataset
@@ -19,6 +19,8 @@ from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
 from halfprec.config import resolve_device
 from halfprec.errors import ConfigError
+from halfprec.numerics.optimizers import optimizer_arguments
+from halfprec.numerics.param_groups import param_groups, without_decay
 from halfprec.numerics.params import ParamStrategy, build_params
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.scaling import LossScaler, build_scaler
@@ -36,16 +38,17 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) -> torch.optim.Optimizer:
-    """`optim._target_` over the optimizer's tensors. With Fixup, biases and scales get
-    lr * init.scalar_lr_scale, chosen by name as in the authors' code (the classifier bias too)."""
-    kwargs = {k: v for k, v in cfg.optim.items() if k != "clip_grad_norm"}
+    """`optim._target_` (or, with optim.state_dtype=bfloat16, halfprec's class that keeps its state
+    low: numerics/optimizers.py) over param groups (numerics/param_groups.py): no weight decay for
+    what `optim.no_decay` names; with Fixup, biases and scales at lr * init.scalar_lr_scale, chosen
+    by name as in the authors' code (the classifier bias too)."""
+    kwargs = optimizer_arguments(OmegaConf.to_container(cfg.optim, resolve=True))  # type: ignore[arg-type]
+    named = params.named()
     lr_scale = cfg.init.get("scalar_lr_scale")
-    slow = set()
-    if lr_scale:
-        slow = {n for n, _ in params.named() if "bias" in n.rsplit(".", 1)[-1] or "scale" in n.rsplit(".", 1)[-1]}
-    groups = [{"params": [p for n, p in params.named() if n not in slow]}]
-    if slow:
-        groups.append({"params": [p for n, p in params.named() if n in slow], "lr": cfg.optim.lr * lr_scale})
+    last = {n: n.rsplit(".", 1)[-1] for n, _ in named}
+    slow = frozenset(n for n in last if lr_scale and ("bias" in last[n] or "scale" in last[n]))
+    exempt = without_decay(named, model, list(cfg.optim.no_decay), params.model_params)
+    groups = param_groups(named, exempt, cfg.optim.get("weight_decay", 0.0), slow, cfg.optim.lr * (lr_scale or 1))
     try:
         return instantiate(kwargs, groups, _convert_="all")
     except Exception as err:  # torch's own argument checks ("Invalid weight_decay value: -1")

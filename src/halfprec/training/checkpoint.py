@@ -41,7 +41,7 @@ RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "traine
                      "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps")  # fmt: skip
 # Keys added after checkpoints were first written, with the value every older version behaved as:
 # a checkpoint whose config lacks the key resumes when the run asks for that value.
-IMPLIED_BY_OLDER_CHECKPOINTS = {
+IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "task.name": "classification",
     # from before the number formats: no layer quantized
     "precision.format": None,
@@ -53,7 +53,14 @@ IMPLIED_BY_OLDER_CHECKPOINTS = {
     "precision.rules": [],
     "precision.high_first": 0,
     "precision.high_last": 0,
+    "precision.master": None,
+    "optim.no_decay": [],  # from before param groups: every tensor decayed
+    "optim.state_dtype": "float32",
+    "optim.state_rounding": "nearest",
 }
+# Keys whose change does nothing while another key is 0 on both sides: which tensors get no weight
+# decay, when nothing decays (then there is one param group either way).
+MOOT_WHILE_ZERO = {"optim.no_decay": "optim.weight_decay"}
 # What a run is. A checkpoint that differs in any of them is another run's: said first, all at once,
 # rather than the first detail that differs (data.batch_size of a language model's checkpoint).
 IDENTITY = ("task.name", "model.arch", "data.name", "precision.name", "optim._target_")
@@ -183,7 +190,8 @@ def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
         raise ConfigError("resume", str(path), f"{fix}; resume with the overrides it was started with")
     notes = []
     for key in sorted(old.keys() | new.keys()):
-        if old.get(key) == new.get(key):
+        zero = MOOT_WHILE_ZERO.get(key)
+        if old.get(key) == new.get(key) or (zero and not old.get(zero) and not new.get(zero)):
             continue
         change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
         if not any(key == k or key.startswith(k + ".") for k in RESUMABLE_CHANGES):

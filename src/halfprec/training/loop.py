@@ -35,10 +35,10 @@ def train_loop(
         for step in range(loop.step + 1, t.max_steps + 1):
             loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]
-            lr = c.optimizer.param_groups[0]["lr"]  # the lr this step uses
+            lr = float(c.optimizer.param_groups[0]["lr"])  # the lr this step uses (torchao's optimizers: a tensor)
             with probes.around(step) as probe:
                 try:  # the grad norm is computed on the steps that log it only
-                    result = c.stepper.step(micro, probe.net, probe.inspect, compute_norm=window.due(step))
+                    result = c.stepper.step(micro, probe.net, probe.inspect, window.due(step), probe.compute)
                 except TrainingAborted as err:
                     raise crash(err, err.culprit, saver, window, tracker) from None
             if result.skipped and abort_on_nonfinite:

@@ -8,7 +8,6 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -30,6 +29,9 @@ class Probe:
     net: nn.Module | None
     inspect: Callable[[ParamStrategy], None] | None
     scale_before: float
+    # around the forward and backward passes alone (the FLOP count of the first step): an optimizer
+    # that compiles its update (torchao's low-bit AdamW) cannot run under a dispatch mode
+    compute: contextlib.AbstractContextManager | None = None
     seen: set[torch.dtype] = field(default_factory=set)
 
 
@@ -49,24 +51,22 @@ class StepProbes:
         watch: contextlib.AbstractContextManager[set[torch.dtype]] = (
             observe_compute_dtypes(c.model) if first else contextlib.nullcontext(set())
         )
-        flops: contextlib.AbstractContextManager[Any] = (
-            count_flops() if first and self.count_flops else contextlib.nullcontext()
-        )
+        counter = count_flops() if first and self.count_flops else None
         due = diag.due(step)
         acts = diag.watch_activation_gradients(c.scaler.scale) if due and diag.activations else None
         logits = diag.watch_logits() if due else contextlib.nullcontext()
         quant = diag.watch_quantization() if due and diag.quantized else contextlib.nullcontext()
         hooked = first or injected is not None or acts is not None or due
         net = c.compiled if c.compiled is not None and not hooked else None
-        probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale)
+        probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale, counter)
         try:
-            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant, flops as counter:
+            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant:
                 yield probe
         finally:
             if injected is not None:
                 injected.remove()
         if counter is not None:
-            self.step_flops = counter.get_total_flops()
+            self.step_flops = counter.get_total_flops()  # type: ignore[attr-defined]
 
     def row(self, probe: Probe, result: StepResult) -> dict:
         """The dtypes at the first step (checked against the policy: never silently train in another

@@ -7,6 +7,7 @@ precision policy, the parameter strategy, optimizer, schedule, loss scaler, clip
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,12 +50,14 @@ class Stepper:
         net: nn.Module | None = None,
         inspect: Callable[[ParamStrategy], None] | None = None,
         compute_norm: bool = True,
+        compute: contextlib.AbstractContextManager | None = None,
     ) -> StepResult:
         """One optimizer step over `len(micro_batches)` accumulated micro-batches, through `net`
         (default: self.net; the loop passes the compiled module on steps without hooks).
         `inspect` sees the unscaled gradients before clipping (diagnostics); `compute_norm=False`
         leaves out the gradient norm (None) unless clipping needs it: the loop asks for it on the
-        steps that log it."""
+        steps that log it. `compute` is entered around the forward and backward passes (the first
+        step's FLOP count)."""
         # `is None`, not `or`: truth-testing a compiled module asks its len(), which a GPT lacks
         net, params, k = self.net if net is None else net, self.params, len(micro_batches)
         # Dropping the grads before the first backward rather than after the step: same numerics,
@@ -64,13 +67,14 @@ class Stepper:
         # 1. forward under autocast, loss in fp32, scaled backward of loss / k
         weight = self.loss_weight / k  # one multiply, and none in the common case (a tiny model's step is ~1 ms)
         losses = []
-        for i, (inputs, targets) in enumerate(micro_batches):
-            with grad_sync(net, sync=i == k - 1):  # DDP/FSDP: reduce the grads in the last backward only
-                with self.policy.autocast():
-                    output = net(self.policy.cast_input(inputs))
-                loss = self.task.loss(output, targets)
-                self.scaler.scale_loss(loss if weight == 1.0 else loss * weight).backward()
-            losses.append(loss.detach())
+        with compute or contextlib.nullcontext():
+            for i, (inputs, targets) in enumerate(micro_batches):
+                with grad_sync(net, sync=i == k - 1):  # DDP/FSDP: reduce the grads in the last backward only
+                    with self.policy.autocast():
+                        output = net(self.policy.cast_input(inputs))
+                    loss = self.task.loss(output, targets)
+                    self.scaler.scale_loss(loss if weight == 1.0 else loss * weight).backward()
+                losses.append(loss.detach())
 
         # 2. unscale once for the whole window (into fp32 master grads in pure modes)
         grads = params.unscale_(1.0 / self.scaler.scale)
