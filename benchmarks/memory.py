@@ -1,6 +1,7 @@
 """Peak memory of halfprec's training step per precision mode, against halfprec.tools.memory's estimate.
 
     python benchmarks/memory.py [--device cpu|cuda] [--models mlp-small,...] [--precisions fp32,bf16,...]
+                                [--modes fp32-adamw,bf16_pure-remainder,...] [--per-param]
                                 [--steps N] [--override KEY=VALUE ...] [--quick] [--json OUT.json]
                                 [--markdown OUT.md]
 
@@ -22,6 +23,11 @@ Estimated is `halfprec.tools.memory.estimate_memory` on the built components and
 buffers, gradients, master weights and gradients, optimizer state, Kahan buffers, the batch, and the
 activations autograd saves in one forward. The table shows each part, their sum, the measured peak and
 measured / estimate.
+
+--modes names rows by label (MODES: a precision option and the overrides that make an optimizer or
+master-weight variant, fp32-adamw8bit) or by precision option. --per-param adds a second table: the
+estimate's parts per trainable parameter (halfprec.tools.memory.bytes_per_param), the measured peak
+per parameter and measured / estimate; its default rows are PER_PARAM_MODES on PER_PARAM_MODEL.
 """
 
 from __future__ import annotations
@@ -40,13 +46,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from compare_loops import WORKLOADS, Workload, choose_rows, compose_cfg, cpu_model_name, synthetic_batches
+from compare_loops import CONF, WORKLOADS, Workload, choose_rows, compose_cfg, cpu_model_name, synthetic_batches
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from halfprec.config import validate
 from halfprec.errors import ConfigError
-from halfprec.tools.memory import MB, estimate_memory
+from halfprec.tools.memory import MB, bytes_per_param, estimate_memory
 from halfprec.training.build import Components, build
 
 DEFAULT_MODELS = {"cpu": ["mlp-small", "mlp-big", "fixup-resnet"], "cuda": ["resnet50", "vit-b16"]}
@@ -63,9 +69,53 @@ PARTS = {  # MemoryEstimate field: column header
     "master_weights": "master w",
     "master_grads": "master g",
     "optimizer_state": "optim state",
-    "compensation": "kahan",
+    "compensation": "compensation",
     "inputs": "batch",
     "activations": "activations",
+}
+# --modes labels: (precision option, overrides). A variant is named by what it changes; every one
+# steps AdamW, so that the bytes-per-parameter rows differ in one thing each.
+MODES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fp32-adamw": ("fp32", ("optim=adamw",)),
+    "bf16-adamw": ("bf16", ("optim=adamw",)),
+    "bf16_pure-nearest": ("bf16_pure", ("optim=adamw",)),
+    "bf16_pure-master": ("bf16_pure_master", ("optim=adamw",)),
+    "bf16_pure-remainder": ("bf16_pure", ("precision.master=remainder", "optim=adamw")),
+    "bf16_pure-kahan": ("bf16_pure_kahan", ("optim=adamw",)),
+    "bf16_pure-stochastic": ("bf16_pure_stochastic", ("optim=adamw",)),
+    "fp32-adamw-bf16state": ("fp32", ("optim=adamw", "optim.state_dtype=bfloat16")),
+    "fp32-adamw8bit": ("fp32", ("optim=adamw8bit",)),
+    "fp32-adamw4bit": ("fp32", ("optim=adamw4bit",)),
+    "fp32-adamw_fp8": ("fp32", ("optim=adamw_fp8",)),
+}
+PER_PARAM_MODES = [
+    "fp32-adamw",
+    "bf16-adamw",
+    "bf16_pure-master",
+    "bf16_pure-remainder",
+    "bf16_pure-kahan",
+    "bf16_pure-stochastic",
+    "fp32-adamw-bf16state",
+    "fp32-adamw8bit",
+    "fp32-adamw4bit",
+]
+# 6.3 M parameters in 6 tensors, 99.6% of them in the two big weights: per-tensor overheads (step counts,
+# torchao's code books) and the fp32 moments torchao keeps for the biases (under 4096 values) add less
+# than 0.01 bytes per parameter. Its largest tensor holds 2/3 of the parameters, so the update's
+# per-tensor temporaries weigh more in its peak than in a model of many similar tensors.
+PER_PARAM_MODEL = "mlp-big"
+# BytesPerParam's fields and totals in the per-parameter table: column header
+PER_PARAM = {
+    "weights": "weights",
+    "master": "master",
+    "grads": "grads",
+    "optimizer_state": "optim state",
+    "compensation": "compensation",
+    "total": "total",
+    "update": "update (transient)",
+    "batch_activations": "batch + activations",
+    "estimate": "estimate",
+    "measured": "measured",
 }
 MAX_SKIPS = 16  # overflowed fp16 steps a row may take on top of --steps (the scale halves each time)
 T = TypeVar("T")
@@ -74,7 +124,9 @@ T = TypeVar("T")
 @dataclass
 class Row:
     model: str
+    label: str  # the --modes label (the precision option where --precisions named the row)
     precision: str
+    overrides: list[str]  # the label's overrides, beside the workload's
     mode: (
         str  # how the optimizer reaches the weights: fp32 | master | lowp (halfprec.numerics.params.ParamStrategy.kind)
     )
@@ -82,6 +134,8 @@ class Row:
     estimate_mb: dict[str, float]  # every part of the estimate, and "total"
     measured_mb: float
     ratio: float  # measured / estimated total
+    params: int  # trainable parameters
+    per_param: dict[str, float]  # bytes per trainable parameter: PER_PARAM's keys
     dataset_mb: float  # CPU: the synthetic dataset build() made, subtracted from the measured peak
     seconds: float
     note: str
@@ -112,9 +166,15 @@ def dataset_bytes(c: Components) -> int:
     return sum(t.untyped_storage().nbytes() for t in (c.data.train.x, c.data.train.y, c.data.val.x, c.data.val.y))
 
 
-def measure(work: Workload, precision: str, device: torch.device, steps: int) -> Row:
+def resolve(mode: str) -> tuple[str, tuple[str, ...]]:
+    """A --modes label's precision option and overrides; a precision option stands for itself."""
+    return MODES.get(mode, (mode, ()))
+
+
+def measure(work: Workload, mode: str, device: torch.device, steps: int) -> Row:
     start = time.perf_counter()
-    cfg = compose_cfg(work, precision, device, None)
+    precision, overrides = resolve(mode)
+    cfg = compose_cfg(dataclasses.replace(work, overrides=(*work.overrides, *overrides)), precision, device, None)
     channels_last = work.channels_last and device.type == "cuda"
     cfg.trainer.channels_last = channels_last  # as compare_loops: the workload decides, batches follow
 
@@ -138,14 +198,24 @@ def measure(work: Workload, precision: str, device: torch.device, steps: int) ->
     dataset = dataset_bytes(c) if device.type == "cpu" else 0
     estimate = estimate_memory(c, last)
     measured = peak - dataset
+    per_param = bytes_per_param(estimate, c.params)
     return Row(
         model=work.label,
+        label=mode,
         precision=precision,
+        overrides=list(overrides),
         mode=c.params.kind,
         batch_size=work.batch_size,
         estimate_mb=estimate.megabytes(),
         measured_mb=measured / MB,
         ratio=measured / estimate.total,
+        params=per_param.params,
+        per_param={
+            **{k: v for k, v in dataclasses.asdict(per_param).items() if k != "params"},
+            "total": per_param.total,
+            "estimate": estimate.total / per_param.params,
+            "measured": measured / per_param.params,
+        },
         dataset_mb=dataset / MB,
         seconds=time.perf_counter() - start,
         note=note(c, steps, taken),
@@ -183,7 +253,7 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "overrides": args.override,
         "measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler memory events",
-        "not_run": [],  # (model, precision) pairs the config rejects, with the reason
+        "not_run": [],  # (model, mode) pairs the config rejects, with the reason
     }
 
 
@@ -195,7 +265,7 @@ def header(env: dict) -> str:
             f"peak by {env['measured_by']}. `{env['command']}`",
             "MiB; the estimate's parts, their sum, and the measured peak above the memory before the build.",
             "",
-            f"| model | precision | batch | {parts} | estimate | measured | measured / estimate | s | note |",
+            f"| model | mode | batch | {parts} | estimate | measured | measured / estimate | s | note |",
             "|---|---|---:|" + "---:|" * (len(PARTS) + 4) + "---|",
         ]
     )
@@ -204,15 +274,35 @@ def header(env: dict) -> str:
 def table_row(r: Row) -> str:
     parts = " | ".join(f"{r.estimate_mb[name]:,.2f}" for name in PARTS)
     return (
-        f"| {r.model} | {r.precision} | {r.batch_size} | {parts} | {r.estimate_mb['total']:,.2f} | "
+        f"| {r.model} | {r.label} | {r.batch_size} | {parts} | {r.estimate_mb['total']:,.2f} | "
         f"{r.measured_mb:,.2f} | {r.ratio:.2f} | {r.seconds:.1f} | {r.note} |"
     )
+
+
+def per_param_table(rows: list[Row]) -> str:
+    """The second table (--per-param): every row's bytes per trainable parameter."""
+    columns = " | ".join(PER_PARAM.values())
+    lines = [
+        "Bytes per trainable parameter. total = weights (buffers included) + master + grads + optim state + "
+        "compensation; update: fp32 tensors held during the update only (master grads; without master copies "
+        "each weight's fp32 upcast and gradient); batch + activations: per step. estimate = the sum of all, "
+        "measured = the peak, both per parameter.",
+        "",
+        f"| model | params | mode | {columns} | measured / estimate |",
+        "|---|---:|---|" + "---:|" * (len(PER_PARAM) + 1),
+    ]
+    for r in rows:
+        values = " | ".join(f"{r.per_param[key]:.2f}" for key in PER_PARAM)
+        lines.append(f"| {r.model} | {r.params:,} | {r.label} | {values} | {r.ratio:.2f} |")
+    return "\n".join(lines)
 
 
 def write_outputs(args: argparse.Namespace, env: dict, rows: list[Row]) -> None:
     if args.markdown:
         not_run = [f"Not run: {line}" for line in env["not_run"]]
-        args.markdown.write_text("\n".join([header(env), *map(table_row, rows), "", *not_run]) + "\n")
+        per_param = ["", per_param_table(rows)] if args.per_param else []
+        text = "\n".join([header(env), *map(table_row, rows), *per_param, "", *not_run])
+        args.markdown.write_text(text + "\n")
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1) + "\n")
 
@@ -225,6 +315,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     parser.add_argument("--models", default=None, help=f"comma-separated, of: {', '.join(WORKLOADS)}")
     parser.add_argument("--precisions", default=None, help="comma-separated halfprec precision options")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"instead of --precisions: comma-separated labels, of {', '.join(MODES)}, or precision options",
+    )
+    parser.add_argument(
+        "--per-param",
+        action="store_true",
+        help="also print the bytes per trainable parameter; unless given (or --quick), the models are "
+        f"{PER_PARAM_MODEL} and the modes {', '.join(PER_PARAM_MODES)}",
+    )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per row (the state appears at the 1st)")
     parser.add_argument(
         "--override",
@@ -244,9 +345,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--device cuda: no CUDA GPU is visible here")
     if args.steps < 2:
         parser.error("--steps: at least 2 (the optimizer state appears during the first)")
+    choose_modes(parser, args)
+    return args
+
+
+def choose_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """args.models and args.modes as lists: --modes, else --precisions, else the defaults (with
+    --per-param and without --quick: PER_PARAM_MODEL, PER_PARAM_MODES). A label neither in MODES nor
+    a precision option is a usage error here, not a Hydra error after the rows before it have run."""
+    if args.modes and args.precisions:
+        parser.error("--modes replaces --precisions: give one of them")
+    if args.per_param and not args.quick:
+        args.models = args.models or PER_PARAM_MODEL
+        args.modes = args.modes or (None if args.precisions else ",".join(PER_PARAM_MODES))
     default_precisions = QUICK_PRECISIONS if args.quick else DEFAULT_PRECISIONS[args.device]
     choose_rows(parser, args, DEFAULT_MODELS[args.device], default_precisions)
-    return args
+    args.modes = args.modes.split(",") if args.modes else args.precisions
+    unknown = [m for m in args.modes if m not in MODES and not (CONF / "precision" / f"{m}.yaml").exists()]
+    if unknown:
+        parser.error(f"--modes {','.join(unknown)}: unknown; choose from {', '.join(MODES)} or a precision option")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -269,20 +386,22 @@ def main(argv: list[str] | None = None) -> None:
         if args.override:  # the rows name what changed: the same model with AdamW is another row
             label = f"{work.label} ({' '.join(args.override)})"
             work = dataclasses.replace(work, label=label, overrides=(*work.overrides, *args.override))
-        for precision in args.precisions:
+        for mode in args.modes:
             try:
-                rows.append(measure(work, precision, device, args.steps))
+                rows.append(measure(work, mode, device, args.steps))
             except ConfigError as err:  # a mode this model cannot run (fp8 on resnet50: no eligible Linear)
-                env["not_run"].append(f"{work.label}, {precision}: {err}")
-                print(f"{work.label}, {precision}: not run: {err}", file=sys.stderr, flush=True)
+                env["not_run"].append(f"{work.label}, {mode}: {err}")
+                print(f"{work.label}, {mode}: not run: {err}", file=sys.stderr, flush=True)
                 write_outputs(args, env, rows)
                 continue
             print(table_row(rows[-1]), flush=True)
-            print(f"{rows[-1].model}, {precision}: {rows[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+            print(f"{rows[-1].model}, {mode}: {rows[-1].seconds:.1f} s", file=sys.stderr, flush=True)
             write_outputs(args, env, rows)  # after every row: a run cut short keeps what it measured
             gc.collect()  # the row's components are garbage now: free them before the next baseline
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if args.per_param:  # after the last row: the rows above stream, this table sums them up
+        print("\n" + per_param_table(rows), flush=True)
 
 
 if __name__ == "__main__":

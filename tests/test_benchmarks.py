@@ -217,6 +217,7 @@ def test_nanogpt_compare_quick_trains_both_recipes_and_splits_decay_as_nanogpt(t
     assert "| 0 |" in stdout and "nanoGPT loop lr: get_lr" in stdout  # the table and the recipes in words
 
 
+@pytest.mark.slow
 def test_nanogpt_compare_control_lands_on_halfprecs_val_loss(tmp_path):
     """--control gives the loop halfprec's decay split and schedule: with the same model, batches and
     evaluation it must land on halfprec's val/loss (fp32 on a CPU: the same bits), which shows that

@@ -79,6 +79,7 @@ def test_a_gpt_on_two_processes_equals_one_process_with_twice_the_batch(tmp_path
         assert rows_two[-1][key] == pytest.approx(rows_one[-1][key], abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
 def test_an_nvfp4_gpt_trains_on_two_processes(tmp_path, trainer):
     """The emulated layers under DDP and FSDP2: each rank rounds its own gradients stochastically
@@ -90,6 +91,19 @@ def test_an_nvfp4_gpt_trains_on_two_processes(tmp_path, trainer):
     rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert rows[0]["precision/layers/nvfp4"] == 4 and rows[0]["precision/layers/high"] == 1
     assert len(rows) == 4 and all(r["train/loss"] < 6 for r in rows) and rows[-1]["val/loss"] < 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer, optim", [("ddp", "adamw_bf16"), ("fsdp", "adamw_bf16"), ("fsdp", "adamw8bit")])
+def test_low_precision_optimizer_state_trains_on_two_processes(tmp_path, trainer, optim):
+    """bf16 moments (halfprec's AdamW) and torchao's 8-bit AdamW under DDP and FSDP2 (sharded
+    parameters: DTensors): the run completes, and rank 0's checkpoint holds the state they keep."""
+    gpt = ["task=lm", "model.n_layer=1", "model.n_embd=64", "model.n_head=2", "model.block_size=64", "logger=none",
+           "trainer.max_steps=3", "data.batch_size=4", f"optim={optim}"]  # fmt: skip
+    two = torchrun(tmp_path, f"trainer={trainer}", *gpt, f"hydra.run.dir={tmp_path / 'two'}", tiny=False)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert rows[-1]["step"] == 3 and all(r["train/loss"] < 6 for r in rows if "train/loss" in r)
 
 
 def test_overflow_injected_on_one_rank_skips_the_step_on_both(tmp_path):

@@ -16,7 +16,13 @@ from torch import nn
 from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.params import build_params
 from halfprec.numerics.policy import PrecisionPolicy
-from halfprec.tools.memory import UnknownOptimizer, activation_bytes, estimate_memory, optimizer_state_bytes
+from halfprec.tools.memory import (
+    UnknownOptimizer,
+    activation_bytes,
+    bytes_per_param,
+    estimate_memory,
+    optimizer_state_bytes,
+)
 from halfprec.training.build import Components
 
 from helpers import batch, build_from
@@ -169,6 +175,60 @@ def memory_bench():
         sys.modules.pop("memory_benchmark", None)
 
 
+# Every AdamW keeps a 4-byte step count per tensor on the CPU: 24 bytes over the MLP's 6 tensors.
+STEPS = 6 * 4 / N
+# torchao's low-bit moments, by hand. W1 (64 x 256) and W2 (256 x 256), 81,920 values, are at least
+# 4096 values and a multiple of the block: each moment is codes, an fp32 scale per block and an fp32
+# code book per tensor. b1, b2, W3 (10 x 256 = 2,560 values) and b3, 3,082 values, keep fp32 moments.
+# 8-bit (block 256, 256 codes): 2 x (81,920 x (1 + 4/256) + 2 x 256 x 4) + 2 x 3,082 x 4 + 24 = 195,176
+# 4-bit (block 128, 16 codes):  2 x (81,920 x (0.5 + 4/128) + 2 x 16 x 4) + 2 x 3,082 x 4 + 24 = 111,976
+
+
+@pytest.mark.parametrize(
+    "label, expected",
+    [
+        # fp32 weights and grads, two fp32 moments: 16 bytes
+        ("fp32-adamw", dict(weights=4, grads=4, optimizer_state=8 + STEPS)),
+        # autocast keeps the weights fp32 (its bf16 copies are activations)
+        ("bf16-adamw", dict(weights=4, grads=4, optimizer_state=8 + STEPS)),
+        # bf16 weights and grads, fp32 masters: 16 bytes too; the fp32 master grads during the update
+        ("bf16_pure-master", dict(weights=2, master=4, grads=2, optimizer_state=8 + STEPS, update=4)),
+        # int16 remainders instead of masters: 14; the update holds each weight's fp32 upcast and grad
+        ("bf16_pure-remainder", dict(weights=2, grads=2, optimizer_state=8 + STEPS, compensation=2, update=8)),
+        ("bf16_pure-kahan", dict(weights=2, grads=2, optimizer_state=8 + STEPS, compensation=2, update=8)),
+        ("bf16_pure-stochastic", dict(weights=2, grads=2, optimizer_state=8 + STEPS, update=8)),
+        # two bf16 moments: 12
+        ("fp32-adamw-bf16state", dict(weights=4, grads=4, optimizer_state=4 + STEPS)),
+        ("fp32-adamw8bit", dict(weights=4, grads=4, optimizer_state=195_176 / N)),
+        ("fp32-adamw4bit", dict(weights=4, grads=4, optimizer_state=111_976 / N)),
+    ],
+)
+def test_bytes_per_param_match_hand_count(memory_bench, label, expected):
+    precision, overrides = memory_bench.MODES[label]  # the benchmark's labels mean what they say
+    c, _ = build_from(f"precision={precision}", *overrides)
+    estimate = estimate_memory(c, batch(16))
+    per = bytes_per_param(estimate, c.params)
+    zero = dict(weights=0, master=0, grads=0, optimizer_state=0, compensation=0, update=0)
+    parts = {name: getattr(per, name) for name in zero}
+    assert per.params == N
+    assert parts == pytest.approx({**zero, **expected}, abs=1e-9)
+    assert per.total == pytest.approx(sum(parts.values()) - per.update)  # the update's temporaries are apart
+    # with the per-step batch and activations, the parts are the whole estimate
+    assert (per.total + per.update + per.batch_activations) * N == pytest.approx(estimate.total)
+
+
+def test_benchmark_row_carries_its_label_and_bytes_per_param(memory_bench):
+    row = memory_bench.measure(memory_bench.WORKLOADS["mlp-small"], "bf16_pure-remainder", torch.device("cpu"), 3)
+    assert (row.label, row.precision, row.mode) == ("bf16_pure-remainder", "bf16_pure", "lowp")
+    assert row.overrides == ["precision.master=remainder", "optim=adamw"]
+    assert row.per_param["compensation"] == 2  # the remainders are there: the override reached the build
+    assert row.per_param["measured"] == pytest.approx(row.per_param["estimate"] * row.ratio)
+    table = memory_bench.per_param_table([row])
+    assert "| mlp 64-256-256-10 | 85,002 | bf16_pure-remainder | 2.00 | 0.00 | 2.00 | 8.00 | 2.00 | 14.00 |" in table
+    with pytest.raises(SystemExit):  # an unknown label is a usage error before any row runs
+        memory_bench.parse_args(["--device", "cpu", "--modes", "fp32-adamw,fp32-lion"])
+
+
 @pytest.mark.parametrize(
     "precision", ["fp32", "bf16", "bf16_pure", "bf16_pure_master", "bf16_pure_kahan", "bf16_pure_stochastic"]
 )
@@ -188,10 +248,11 @@ def test_measured_cpu_peak_is_near_the_estimate(memory_bench, precision):
 @pytest.mark.slow  # a subprocess: ~4 s of imports and the first optimizer's set-up, then four rows
 def test_benchmark_runs_and_prints_the_table(tmp_path):
     out = tmp_path / "memory.json"
-    cmd = [sys.executable, str(BENCHMARKS / "memory.py"), "--quick", "--device", "cpu", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, str(BENCHMARKS / "memory.py"), "--quick", "--device", "cpu", "--per-param"]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| model | precision | batch | params |" in proc.stdout
+    assert "| model | mode | batch | params |" in proc.stdout
+    assert "| model | params | mode | weights | master | grads |" in proc.stdout  # --per-param's table
     rows = json.loads(out.read_text())["rows"]
     assert [r["precision"] for r in rows] == ["fp32", "bf16", "bf16_pure_kahan", "bf16_pure_master"]
     for r in rows:

@@ -198,3 +198,21 @@ def test_a_run_with_adamw8bit_resumes_exactly(tmp_path):
     run(compose_cfg(*common, "trainer.max_steps=4", "resume=auto"), tmp_path / "parts")
     losses = [[r["train/loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in ("whole", "parts")]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+@pytest.mark.parametrize("optim", ["adamw_bf16", pytest.param("adamw8bit", marks=pytest.mark.slow)])
+def test_low_precision_state_under_fp16_loss_scaling_and_accumulation(tmp_path, optim):
+    """fp16 autocast with its dynamic loss scale, two micro-batches a step and an injected overflow:
+    the skip is taken before the optimizer, whose state then trains on as usual."""
+    from halfprec.training.run import run
+
+    cfg = compose_cfg("precision=fp16", f"optim={optim}", "optim.lr=3e-3", "accum=2", "trainer.max_steps=60",
+                      "trainer.inject_nonfinite_at=[5]", "model.hidden=[64,4096]")  # fmt: skip
+    summary = run(cfg, tmp_path)
+    assert summary["scaler/skipped_steps"] == 1 and summary["val/acc"] > 0.85
+
+
+def test_a_low_bit_adamw_with_nothing_to_quantize_is_a_config_error():
+    cfg = compose_cfg("optim=adamw8bit", "model.hidden=[16]")  # 64x16 and 16x10: under 4096 values each
+    with pytest.raises(ConfigError, match="optim._target_=torchao.optim.AdamW8bit: no parameter of this model has"):
+        build(cfg)

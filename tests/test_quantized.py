@@ -233,6 +233,7 @@ def test_diagnostics_log_where_the_bits_go(tmp_path):
     assert all(0 <= first[k] <= 1 for k in first if k.endswith(("/underflow", "/saturated")))
 
 
+@pytest.mark.slow
 def test_a_vit_and_fp16_autocast_with_a_loss_scaler_train_with_formats(tmp_path):
     """timm's ViT (built for 32x32 inputs, its blocks named), its last block and head high; the
     digits MLP in mxfp8 inside fp16 autocast, its loss scaled."""
@@ -245,3 +246,47 @@ def test_a_vit_and_fp16_autocast_with_a_loss_scaler_train_with_formats(tmp_path)
     assert summary["train/loss"] < 2.5
     fp16 = run(compose_cfg("precision=mxfp8", "precision.autocast=float16", "trainer.max_steps=60"), tmp_path / "fp16")
     assert fp16["scaler/final_scale"] > 1 and fp16["val/acc"] > 0.85
+
+
+NATIVE = [
+    "precision=bf16",
+    "precision.format=fp8_e4m3",
+    "precision.recipe.grad_format=fp8_e5m2",
+    "precision.kernel=native",
+]
+
+
+@pytest.mark.slow
+def test_the_native_kernel_is_torchaos_float8_computing_the_same_format(tmp_path):
+    """precision.kernel=native: torchao's Float8Linear for fp8_e4m3 with e5m2 gradients (its
+    tensorwise recipe), run here in torchao's emulation; it quantizes autocast's bf16 copies and
+    returns bf16, so it trains as the emulated layers do, not to the bit."""
+    steps = ["trainer.max_steps=150", "trainer.log_every=50", "trainer.val_every=0"]
+    native = run(compose_cfg(*NATIVE, "precision.fp8_emulate=true", *steps), tmp_path / "native")
+    emulated = run(compose_cfg(*NATIVE[:-1], *steps), tmp_path / "emulated")
+    first = rows(tmp_path / "native")[0]
+    assert first["precision/kernel"] == "torchao" and first["precision/layers/fp8_e4m3"] == 2
+    assert rows(tmp_path / "emulated")[0]["precision/kernel"] == "emulated"
+    assert native["train/loss"] == pytest.approx(emulated["train/loss"], abs=0.05)
+    kinds = {type(m).__name__ for m in build(compose_cfg(*NATIVE, "precision.fp8_emulate=true")).model.modules()}
+    assert "Float8Linear" in kinds and "QuantizedLinear" not in kinds
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (NATIVE, "float8 matmuls need a CUDA GPU of compute capability 8.9"),
+        (["precision=mxfp8", "precision.kernel=native"], "torchao has no training kernel for format=mxfp8 with"),
+        ([*NATIVE, "precision.recipe.stochastic_grads=true"], "float8 kernel has no precision.recipe.stochastic"),
+        (["precision=fp8", "precision.kernel=native"], "precision.fp8 is torchao's kernel already"),
+    ],
+)
+def test_native_kernel_config_errors(overrides, message):
+    from halfprec.config import resolve_device
+
+    if overrides == NATIVE and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this GPU has fp8 tensor cores")
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+        resolve_device(cfg)

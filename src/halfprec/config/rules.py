@@ -222,12 +222,33 @@ def resolve_device(cfg: DictConfig):
         raise ConfigError(
             "precision", p.name, "TF32 is a CUDA (Ampere+) matmul mode; on CPU it would silently be fp32: use fp32"
         )
-    if p.fp8:
+    if p.fp8 or p.kernel == "native":
         check_fp8(p, device)
     uses_bf16 = "bfloat16" in (p.autocast, p.param_dtype)
     if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision", p.name, "this GPU has no bfloat16 support; use fp16 or fp16_pure")
     return device
+
+
+def check_native(p: DictConfig) -> None:
+    """precision.kernel=native: a format torchao has a training kernel for, as the format defines it
+    (no recipe switch the kernel lacks, no rule naming another format)."""
+    from halfprec.numerics.layers import NATIVE, native_recipe
+
+    key = "precision.kernel"
+    if p.fp8:
+        raise ConfigError(key, "native", "precision.fp8 is torchao's kernel already: set precision.kernel=emulated")
+    if native_recipe(p.format, p.recipe.grad_format) is None:
+        have = "; ".join(f"format={f}" + (f" recipe.grad_format={g}" if g else "") for f, g in NATIVE)
+        raise ConfigError(
+            key, "native", f"torchao has no training kernel for format={p.format} with recipe.grad_format="
+            f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
+        )  # fmt: skip
+    switches = [k for k in ("stochastic_grads", "hadamard", "weight_2d") if p.recipe[k]]
+    others = [r.format for r in p.rules if r.format not in ("high", p.format)]
+    if switches or others:
+        what = f"precision.recipe.{switches[0]}" if switches else f"a rule's format {others[0]}"
+        raise ConfigError(key, "native", f"torchao's float8 kernel has no {what}: use precision.kernel=emulated")
 
 
 def check_fp8(p: DictConfig, device) -> None:
@@ -236,15 +257,22 @@ def check_fp8(p: DictConfig, device) -> None:
 
     import torch
 
+    if p.kernel == "native":
+        check_native(p)
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("precision", p.name, 'needs torchao: pip install -e ".[fp8]"')
     if p.fp8_emulate:
         return
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+        key, value, instead = (
+            ("precision.kernel", "native", "precision.kernel=emulated")
+            if p.kernel == "native"
+            else ("precision", p.name, "precision=bf16")
+        )
         raise ConfigError(
-            "precision",
-            p.name,
+            key,
+            value,
             f"float8 matmuls need a CUDA GPU of compute capability 8.9+ (H100, H200, L4, RTX 4090); this is {where}: "
-            "use precision=bf16, or precision.fp8_emulate=true to check the numerics (slowly)",
+            f"use {instead}, or precision.fp8_emulate=true to check torchao's numerics (slowly)",
         )

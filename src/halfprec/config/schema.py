@@ -57,6 +57,7 @@ class Precision:
     rules: Annotated[list[Any], Spec(doc="[{match: <glob on module names>, format: <format> | high}, ...]")]
     high_first: Annotated[int, Spec(low=0, doc="the first N transformer blocks stay high")]
     high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
+    kernel: Annotated[Literal["emulated", "native"], Spec(doc="how quantized layers compute")]
 
 
 @dataclass

@@ -51,7 +51,7 @@ def output_heads(model: nn.Module, linears: list[str]) -> set[str]:
 
 
 def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int = 0,
-                high_last: int = 0, fits: Callable[[nn.Module], bool] = lambda m: True) -> dict[str, str]:  # fmt: skip
+                high_last: int = 0, fits: Callable[[nn.Module], bool] | None = None) -> dict[str, str]:  # fmt: skip
     """Each Linear layer's format or `high` (the module docstring's order); `fits`: whether the
     converter can take a layer at all (float8: sides that are multiples of 16), else high."""
     linears = linear_layers(model)
@@ -76,7 +76,7 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_f
             plan[name] = HIGH
         else:
             plan[name] = fmt or HIGH
-        if not fits(model.get_submodule(name)):
+        if fits is not None and not fits(model.get_submodule(name)):
             plan[name] = HIGH
     return plan
 
@@ -104,14 +104,31 @@ def float8_fits(module: nn.Module) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0  # what float8 matmuls need
 
 
+# The formats torchao has a training kernel for (precision.kernel=native): torchao.float8's recipes,
+# configured to compute the format's values (rowwise: fp32 scales, as fp8_e4m3_row defines them,
+# not torchao's default power-of-two ones). torchao 0.18 trains MX formats only in MoE grouped
+# GEMMs and NVFP4 not at all, so they have none here.
+NATIVE = {("fp8_e4m3", "fp8_e5m2"): "tensorwise", ("fp8_e4m3_row", None): "rowwise"}
+
+
+def native_recipe(fmt: str | None, grad_format: str | None) -> str | None:
+    """torchao's float8 recipe that computes `fmt` (gradients in `grad_format`), or None."""
+    return NATIVE.get((fmt or "", grad_format))
+
+
 def swap_float8(model: nn.Module, plan: dict[str, str], recipe: str, emulate: bool) -> None:
     """torchao's Float8Linear for each planned layer, before any wrapping (DDP, FSDP2, torch.compile)
-    as torchao asks."""
+    as torchao asks; each tagged with its planned format (layer_format reads it back)."""
     with quiet_import():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    if recipe == "rowwise":
+        config = replace(config, round_scales_to_power_of_2=False)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: plan.get(name, HIGH) != HIGH)
+    for name, fmt in plan.items():
+        if fmt != HIGH:
+            setattr(model.get_submodule(name), "halfprec_format", fmt)  # noqa: B010 (mypy: not a declared attribute)
 
 
 def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
@@ -132,10 +149,9 @@ def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
 
 def layer_format(module: nn.Module) -> str:
     """The format a layer computes in, read off the layer itself (the first-step check compares it
-    with the plan): a QuantizedLinear's, float8 for torchao's Float8Linear, else high."""
+    with the plan): a QuantizedLinear's, the tag swap_float8 gave a Float8Linear, else high."""
     if isinstance(module, QuantizedLinear):
         return module.format
-    config = getattr(module, "config", None)
-    if type(module).__name__ == "Float8Linear" and config is not None:
-        return "float8"
+    if type(module).__name__ == "Float8Linear":
+        return str(getattr(module, "halfprec_format", "float8"))
     return HIGH

@@ -11,7 +11,16 @@ import torch
 from torch import nn
 
 from halfprec.errors import ConfigError, PrecisionMismatch
-from halfprec.numerics.layers import HIGH, Rule, float8_fits, layer_format, plan_layers, swap_emulated, swap_float8
+from halfprec.numerics.layers import (
+    HIGH,
+    Rule,
+    float8_fits,
+    layer_format,
+    native_recipe,
+    plan_layers,
+    swap_emulated,
+    swap_float8,
+)
 from halfprec.numerics.quantized import Recipe
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -40,6 +49,7 @@ class PrecisionPolicy:
     rules: tuple[Rule, ...] = ()
     high_first: int = 0
     high_last: int = 0
+    kernel: str = "emulated"  # emulated (QuantizedLinear) | native (torchao's kernel for the format)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
 
     @classmethod
@@ -63,6 +73,7 @@ class PrecisionPolicy:
             rules=tuple(Rule(r.match, r.format) for r in cfg.rules),
             high_first=cfg.high_first,
             high_last=cfg.high_last,
+            kernel=cfg.kernel,
         )
 
     @property
@@ -110,24 +121,24 @@ class PrecisionPolicy:
 
     def quantize_layers(self, model: nn.Module, seed: int = 0, rank: int = 0) -> dict[str, str]:
         """Swap the Linear layers the plan gives a format (numerics/layers.py) for quantized ones:
-        emulated QuantizedLinear, or torchao's Float8Linear with precision.fp8; before any wrapping
-        (DDP, FSDP2, torch.compile). Return the plan: each Linear layer's format or high."""
+        emulated QuantizedLinear, or torchao's Float8Linear (precision.fp8, precision.kernel=native);
+        before any wrapping (DDP, FSDP2, torch.compile). Return the plan: each Linear's format or high."""
         if not (self.format or self.fp8 or any(r.format != HIGH for r in self.rules)):
             return {}
+        float8 = self.fp8 or (native_recipe(self.format, self.recipe.grad_format) if self.kernel == "native" else None)
         default = "float8" if self.fp8 else self.format
-        fits = float8_fits if self.fp8 else (lambda m: True)
-        plan = plan_layers(model, default, self.rules, self.high_first, self.high_last, fits)
+        plan = plan_layers(model, default, self.rules, self.high_first, self.high_last, float8_fits if float8 else None)
         if all(f == HIGH for f in plan.values()):
             head = "the output head stays high unless a precision.rules entry names it"
             why = (
                 f"no Linear layer of this model has in and out features divisible by 16, so none can compute in "
                 f"float8 ({head}): widen the model or use precision=bf16"
-                if self.fp8
+                if float8
                 else f"no Linear layer of this model is left to quantize ({head}): add a rule or use precision=bf16"
             )
             raise ConfigError("precision", self.name, why)
-        if self.fp8:
-            swap_float8(model, plan, self.fp8, self.fp8_emulate)
+        if float8:
+            swap_float8(model, plan, float8, self.fp8_emulate)
         else:
             swap_emulated(model, plan, self.recipe, seed, rank)
         self.layers = plan
@@ -164,9 +175,8 @@ class PrecisionPolicy:
         """Each Linear layer still computes in its planned format at the first step (nothing swapped
         it back or wrapped it away); the counts per format, `precision/layers/<format>`, and what
         computes them, `precision/kernel`: emulated (QuantizedLinear) or torchao (Float8Linear)."""
-        counts: dict[str, str | int] = (
-            {"precision/kernel": "torchao" if self.fp8 else "emulated"} if self.layers else {}
-        )
+        kernel = "torchao" if self.fp8 or self.kernel == "native" else "emulated"
+        counts: dict[str, str | int] = {"precision/kernel": kernel} if self.layers else {}
         for name, planned in self.layers.items():
             found = layer_format(model.get_submodule(name))
             if found != planned:

@@ -58,7 +58,7 @@ class MemoryEstimate:
     master_weights: int  # fp32 weights the optimizer steps that are not the model's own
     master_grads: int  # fp32 gradients the optimizer steps that are not the model's own
     optimizer_state: int
-    compensation: int  # Kahan buffers (precision.update=kahan)
+    compensation: int  # a rounding rule's buffers: Kahan's, or precision.master=remainder's int16 remainders
     inputs: int  # the batch, as the caller holds it
     activations: int  # tensors autograd saves for backward, beyond parameters and inputs
 
@@ -72,6 +72,52 @@ class MemoryEstimate:
     def megabytes(self) -> dict[str, float]:
         """Every part and the total in MiB, for tables."""
         return {name: n / MB for name, n in {**self.parts(), "total": self.total}.items()}
+
+
+@dataclass
+class BytesPerParam:
+    """A MemoryEstimate per trainable parameter, split by how long each part lives: the bytes per
+    parameter a precision mode is quoted by ("16 for mixed-precision Adam": 2 + 2 + 4 + 8) in
+    `total`, the update's fp32 temporaries beside it, and the per-step rest. The fields add up to
+    the estimate's total / params."""
+
+    params: int  # trainable parameters (tied weights once): the divisor
+    weights: float  # the model's parameters and buffers, at their storage dtype
+    master: float  # persistent fp32 master weights (master modes); 0 where the update upcasts instead
+    grads: float  # the model's gradients, in each parameter's dtype
+    optimizer_state: float
+    compensation: float  # a rounding rule's buffers: Kahan's, the int16 remainders
+    update: float  # fp32 tensors held from unscale to the end of the update only (not in `total`)
+    batch_activations: float  # the batch and the saved activations: they scale with the batch, not the model
+
+    @property
+    def total(self) -> float:
+        """Weights, master weights, gradients, optimizer state and compensation: what the mode holds
+        per parameter outside the update and the forward."""
+        return self.weights + self.master + self.grads + self.optimizer_state + self.compensation
+
+
+def bytes_per_param(estimate: MemoryEstimate, params: ParamStrategy) -> BytesPerParam:
+    """`estimate`'s parts per trainable parameter of `params`, the strategy it was made from.
+
+    `master_weights` is persistent only where the strategy keeps master copies (`params.master`);
+    without them it is the fp32 upcast of each low-precision weight for the update, which goes with
+    the fp32 master gradients into `update` (the low-precision gradients are freed as those are
+    made, so `grads` and `update` do not coexist in full). Buffers count as weights."""
+    n = sum(p.numel() for p in {id(p): p for p in params.model_params}.values())
+    if n == 0:  # a frozen model: nothing to divide by, and no update to count
+        raise ValueError("bytes_per_param: the model has no trainable parameters")
+    master = estimate.master_weights if params.master else 0
+    return BytesPerParam(
+        params=n,
+        weights=(estimate.params + estimate.buffers) / n,
+        master=master / n,
+        grads=estimate.grads / n,
+        optimizer_state=estimate.optimizer_state / n,
+        compensation=estimate.compensation / n,
+        update=(estimate.master_weights - master + estimate.master_grads) / n,
+        batch_activations=(estimate.inputs + estimate.activations) / n,
+    )
 
 
 def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> MemoryEstimate:
@@ -90,8 +136,11 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
       parameter is upcast to fp32 and gets an fp32 gradient: the same extra bytes, for the update.
     - optimizer state: from the optimizer class and its param_group settings (SGD: a momentum
       buffer unless momentum=0; Adam/AdamW: two moments, three with amsgrad), in the dtype the
-      optimizer steps (fp32 in every halfprec mode). Any other class raises UnknownOptimizer.
-    - compensation: a rounding rule's buffers (Kahan: one per parameter, in its dtype).
+      optimizer steps (fp32 in every halfprec mode); halfprec's own optimizers (optim.state_dtype)
+      by their state_layout, torchao's low-bit AdamW by TORCHAO_STATE. Any other class raises
+      UnknownOptimizer.
+    - compensation: a rounding rule's buffers (Kahan: one per parameter, in its dtype; remainder:
+      an int16 per bf16 weight, the low half of its exact fp32 master).
     - inputs: the batch's storages.
 
     Activations are counted, not predicted: one forward of `batch` under the policy (autocast,

@@ -50,10 +50,25 @@ def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) ->
     exempt = without_decay(named, model, list(cfg.optim.no_decay), params.model_params)
     groups = param_groups(named, exempt, cfg.optim.get("weight_decay", 0.0), slow, cfg.optim.lr * (lr_scale or 1))
     try:
-        return instantiate(kwargs, groups, _convert_="all")
+        optimizer = instantiate(kwargs, groups, _convert_="all")
     except Exception as err:  # torch's own argument checks ("Invalid weight_decay value: -1")
         cause = err.__cause__ or err
         raise ConfigError("optim", cfg.optim._target_, f"{type(cause).__name__}: {cause}") from None
+    check_low_bit(optimizer, [t for _, t in named], cfg.optim._target_)
+    return optimizer
+
+
+def check_low_bit(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor], target: str) -> None:
+    """torchao's low-bit AdamW quantizes the moments of tensors of at least 4096 values, a multiple
+    of its block, and keeps fp32 moments for the rest: with none it would silently be plain AdamW."""
+    block = getattr(optimizer, "block_size", None)
+    if not target.startswith("torchao.optim.") or block is None:
+        return
+    if not any(t.numel() >= 4096 and t.numel() % block == 0 for t in tensors):
+        raise ConfigError(
+            "optim._target_", target, f"no parameter of this model has 4096 or more values in whole blocks of "
+            f"{block}, so every moment would stay fp32: use optim=adamw (or a larger model)",
+        )  # fmt: skip
 
 
 def lr_factor(step: int, name: str, warmup: int, total: int, low: float) -> float:

@@ -54,6 +54,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "precision.high_first": 0,
     "precision.high_last": 0,
     "precision.master": None,
+    "precision.kernel": "emulated",
     "optim.no_decay": [],  # from before param groups: every tensor decayed
     "optim.state_dtype": "float32",
     "optim.state_rounding": "nearest",
