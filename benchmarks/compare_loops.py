@@ -32,20 +32,7 @@ re-executes itself with GLIBC_TUNABLES set unless it is already set or --no-mall
 
 from __future__ import annotations
 
-import os
-import sys
-
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=68719476736"
-
-
-def reexec_with_malloc_tuning() -> None:
-    """glibc reads GLIBC_TUNABLES only when a process starts, so set it and start again. This runs
-    before torch is imported, so the first start costs almost nothing."""
-    if "GLIBC_TUNABLES" in os.environ or "--no-malloc-tuning" in sys.argv:
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
+from malloc_tuning import reexec_with_malloc_tuning
 
 if __name__ == "__main__":
     reexec_with_malloc_tuning()
@@ -61,9 +48,11 @@ import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable, Iterable, Iterator  # noqa: E402
@@ -719,20 +708,11 @@ def environment(device: torch.device, args: argparse.Namespace) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = cpu_model_name()
     return {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", *sys.argv]),
-        "device": device.type,
-        "device_name": device_name,
-        "torch": torch.__version__,
+        **machine(device),
         "lightning": version("lightning"),
         "accelerate": version("accelerate"),
         "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset (glibc defaults)"),
         "steps_per_block": args.steps,  # None: sized per row to about block_seconds of the raw loop
         "block_seconds": None if args.steps else args.block_s,
@@ -746,6 +726,18 @@ def block_size(env: dict) -> str:
     if env["steps_per_block"]:
         return f"{env['steps_per_block']} steps each"
     return f"each ~{env['block_seconds']:g} s of raw steps; steps/block in the second table"
+
+
+def machine(device: torch.device) -> dict:
+    """What every benchmark's JSON starts with: when, how it was started, and on what."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": shlex.join(["python", *sys.argv]),
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def cpu_model_name() -> str:

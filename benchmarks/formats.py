@@ -25,21 +25,7 @@ is already set or --no-malloc-tuning is given.
 
 from __future__ import annotations
 
-import os
-import sys
-
-# compare_loops.py's value; importing it from there would import torch before the re-exec
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=68719476736"
-
-
-def reexec_with_malloc_tuning() -> None:
-    """glibc reads GLIBC_TUNABLES only when a process starts, so set it and start again. This runs
-    before torch is imported, so the first start costs almost nothing."""
-    if "GLIBC_TUNABLES" in os.environ or "--no-malloc-tuning" in sys.argv:
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
+from malloc_tuning import reexec_with_malloc_tuning
 
 if __name__ == "__main__":
     reexec_with_malloc_tuning()
@@ -48,12 +34,12 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import platform  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -61,7 +47,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from compare_loops import cpu_model_name, fmt, sync  # noqa: E402
+from compare_loops import CONF, fmt, machine, sync  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
@@ -70,7 +56,6 @@ from halfprec.errors import ConfigError  # noqa: E402
 from halfprec.numerics.quantized import QuantizedLinear  # noqa: E402
 from halfprec.training.build import Components, build  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 REFERENCE = "bf16"  # what the format options inherit: the layers they leave alone compute in bf16 autocast
 DEFAULT_PRECISIONS = ["mxfp8", "mxfp6", "mxfp4", "nvfp4", "fp8_block"]
 # a GPT small enough for the test: one block of width 32, 4 x 32 tokens per micro-batch
@@ -237,13 +222,8 @@ def measure(modes: list[Mode], args: argparse.Namespace) -> None:
 
 def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig) -> dict:
     return {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", *sys.argv]),
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name(),
-        "torch": torch.__version__,
+        **machine(device),
         "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset (glibc defaults)"),
         "model": model_label(cfg),
         "overrides": list(args.overrides),

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +44,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from compare_loops import CONF, WORKLOADS, Workload, choose_rows, compose_cfg, cpu_model_name, synthetic_batches
+from compare_loops import CONF, WORKLOADS, Workload, choose_rows, compose_cfg, machine, synthetic_batches
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -244,12 +242,7 @@ def note(c: Components, steps: int, taken: int) -> str:
 
 def environment(device: torch.device, args: argparse.Namespace) -> dict:
     return {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", *sys.argv]),
-        "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model_name(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        **machine(device),
         "steps": args.steps,
         "overrides": args.override,
         "measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler memory events",
