@@ -94,9 +94,10 @@ class QuantizedLinear(nn.Linear):
         tile = self.recipe.weight_2d and operand == "weight"
         rounding = "nearest" if generator is None else "stochastic"
         counting = record and self.stats is not None
-        q, saturated = quantize(t.float(), name, axis, rounding, generator, tile, rule, count_saturated=counting)
+        t = t.float()  # a copy for bf16 operands: made once, for the quantizer and the statistics
+        q, saturated = quantize(t, name, axis, rounding, generator, tile, rule, count_saturated=counting)
         if counting:
-            self.record(operand, t.float(), q, saturated)
+            self.record(operand, t, q, saturated)
         return q
 
     @torch.no_grad()
