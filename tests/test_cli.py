@@ -43,6 +43,8 @@ OPTIONS = [
 NEEDS = {"init=fixup": ["model=fixup_resnet"], "precision=fp8": ["precision.fp8_emulate=true"]}
 # torchao's low-bit AdamW wants a tensor of 4096 values or more (64 x 64) to quantize
 NEEDS |= {f"optim={name}": ["model.hidden=[64]"] for name in ("adamw8bit", "adamw4bit", "adamw_fp8")}
+# the FP4 recipe's variants are the GPT's (its output head, its last block): two blocks, one kept high
+NEEDS |= {f"ablation={p.stem}": ["task=lm", "model.n_layer=2"] for p in (CONF / "ablation").glob("*.yaml")}
 
 
 def fitting_tasks() -> dict[str, list[str]]:
@@ -206,7 +208,7 @@ OPTION_SWEEPS = {
     "experiment": ["+experiment=glob(*)"],
     # the experiments are digits-sized by default; at scale they take data=cifar10 (and a GPU)
     "experiment+cifar10": [
-        "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision,optimizer_precision,master_precision])",
+        "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision,optimizer_precision,master_precision,fp4_recipe])",
         "data=cifar10",
         "data.num_workers=0",
     ],  # the image experiments (the others are task=lm)

@@ -19,7 +19,10 @@ import pytest
 import yaml
 from conftest import read_jsonl
 
-from halfprec.tools.report import find_jobs, job_metrics, line_figure, write_report
+from halfprec.tools.report import write_report
+from halfprec.tools.report.columns import job_metrics
+from halfprec.tools.report.plots import line_figure
+from halfprec.tools.report.runs import find_jobs
 
 import wandb_records
 
@@ -133,6 +136,47 @@ def test_throughput_columns_are_medians_without_the_warm_up_row():
     metrics = job_metrics(rows, {})
     assert (metrics["samples/s"], metrics["MFU"]) == (450.0, 0.45)
     assert job_metrics(rows[:1], {})["MFU"] == 0.01  # a run with one row: that row
+
+
+@pytest.fixture
+def another_run_metric(monkeypatch):
+    """A new diagnostic's value added to the one list of metric names, as a fork would add it; the
+    report's cached column lists are rebuilt with it and again without it afterwards."""
+    from halfprec import metrics
+    from halfprec.tools.report import columns
+
+    cached = (columns.metric_formats, columns.spread_formats, columns.optional_columns)
+    extra = metrics.RunMetric("peak logz", "diag/output_logz_max", "max", ".3g", optional=True, summary="diag/logz")
+    grown = (*metrics.RUN_METRICS, extra)
+    for module in (metrics, columns):  # the list, and the report's name for it
+        monkeypatch.setattr(module, "RUN_METRICS", grown)
+    for function in cached:
+        function.cache_clear()
+    yield
+    monkeypatch.undo()
+    for function in cached:
+        function.cache_clear()
+
+
+def test_a_run_level_metric_is_one_line_in_the_metric_list(tmp_path, capsys, another_run_metric):
+    """The tables' columns and what sweep.jsonl records read halfprec/metrics.py's RUN_METRICS."""
+    from halfprec.metrics import recorded
+
+    jobs = [FakeJob({"precision": p}, decay(0.2)) for p in ("bf16", "fp16")]
+    jobs[0].extra = {29: {"diag/output_logz_max": 12.345}, 3: {"diag/output_logz_max": 20.0}}
+    assert write_report(write_sweep(tmp_path / "sweep", jobs), tmp_path / "out") == 0
+    ((header, rows),) = parse_tables(capsys.readouterr().out)
+    assert header == ["job", "precision", *METRICS, "peak logz", "status"]  # optional: logged by one job
+    assert [row["peak logz"] for row in rows] == ["20", "-"]  # the largest logged, in its format
+    summary = {"train/loss": 1.5, "diag/logz": 3.0, "val/acc": 0.5, "status": "completed"}
+    assert recorded(summary) == {
+        "train/loss": 1.5,
+        "scaler/skipped_steps": None,
+        "scaler/min_scale": None,
+        "scaler/final_scale": None,
+        "diag/logz": 3.0,
+        "val/acc": 0.5,
+    }
 
 
 def test_sweep_report_writes_plots_and_report_md(sweep, sweep_report):
@@ -460,7 +504,7 @@ def test_wandb_gets_the_group_table_as_numbers(tmp_path):
 def test_a_sweep_over_a_number_plots_the_final_val_loss_against_it(tmp_path):
     """Wortsman et al.'s plot: final val/loss against the lr, a line per value of the other override,
     seeds averaged, a cross for a job that diverged; a sweep with no numeric axis gets no sweep.png."""
-    from halfprec.tools.report import numeric_sweep_key, sweep_figure
+    from halfprec.tools.report.sweep_plot import numeric_sweep_key, sweep_figure
 
     ends = {("1e-3", "false"): 0.5, ("1e-2", "false"): 0.4, ("1e-1", "false"): 0.9,
             ("1e-3", "true"): 0.6, ("1e-2", "true"): 0.45, ("1e-1", "true"): 0.5}  # fmt: skip
@@ -507,7 +551,7 @@ def test_sweep_marks_every_job_that_did_not_complete_even_without_a_finite_value
     top edge at their x with what they logged beside them, and the blow-up does not squash the chart."""
     from matplotlib.colors import to_hex
 
-    from halfprec.tools.report import sweep_figure
+    from halfprec.tools.report.sweep_plot import sweep_figure
 
     ends = {"1e-3": 0.5, "1e-2": 0.4, "1e-1": 0.6}
     jobs = [
@@ -657,7 +701,7 @@ def quant_job(overrides: dict[str, str], scale: float, seed: int = 0) -> FakeJob
 
 
 def test_quant_map_is_the_last_step_with_quant_keys_a_row_per_layer_in_logged_order():
-    from halfprec.tools.report import quant_cell, quant_map
+    from halfprec.tools.report.quant import quant_cell, quant_map
 
     early = {"step": 10, "quant/blocks.0.attn.qkv/input/rel_err": 0.5, "quant/early.only/weight/rel_err": 0.5}
     last = {
@@ -686,7 +730,7 @@ def test_quant_map_is_the_last_step_with_quant_keys_a_row_per_layer_in_logged_or
 def test_a_quant_heatmap_colours_and_annotates_each_cell_and_labels_its_colorbar():
     import numpy as np
 
-    from halfprec.tools.report import QUANT_LABEL, quant_heatmap, quant_map
+    from halfprec.tools.report.quant import QUANT_LABEL, quant_heatmap, quant_map
 
     errors = {"blocks.0.attn.qkv": {"input": 0.01, "weight": 0.002}, "head": {"input": 0.3, "grad_output": 0.0}}
     qmap = quant_map([{"step": 7, **quant_stats(errors)}])
@@ -731,9 +775,9 @@ def test_report_draws_a_quant_heatmap_per_job_with_stats_and_none_for_the_others
 
 
 def test_past_max_heatmaps_report_md_names_the_jobs_left_out(tmp_path, capsys, monkeypatch):
-    from halfprec.tools import report as report_module
+    from halfprec.tools.report import quant
 
-    monkeypatch.setattr(report_module, "MAX_HEATMAPS", 2)  # 12 real heatmaps would take a while to draw
+    monkeypatch.setattr(quant, "MAX_HEATMAPS", 2)  # 12 real heatmaps would take a while to draw
     jobs = [quant_job({"optim.lr": lr}, scale) for lr, scale in (("1e-3", 1.0), ("1e-2", 2.0), ("1e-1", 4.0))]
     jobs.insert(1, FakeJob({"optim.lr": "3e-3"}, decay(0.2)))  # without stats: not counted
     jobs.append(quant_job({"optim.lr": "1"}, 8.0))
@@ -747,7 +791,7 @@ def test_past_max_heatmaps_report_md_names_the_jobs_left_out(tmp_path, capsys, m
 def test_quant_err_plot_dashes_the_largest_error_beside_each_mean_in_its_colour(tmp_path):
     from matplotlib.colors import to_hex
 
-    from halfprec.tools.report import QUANT_MAX, QUANT_MEAN
+    from halfprec.tools.report.quant import QUANT_MAX, QUANT_MEAN
 
     # two overrides with few values: a plain line plot would tell the second apart by line style
     jobs = [
@@ -774,3 +818,21 @@ def test_quant_err_plot_dashes_the_largest_error_beside_each_mean_in_its_colour(
     assert all(bottom <= v <= top for line in [*solid.values(), *dashes] for v in line.get_ydata())
     assert "dashed, same colour: diag/quant_rel_err_max" in ax.get_legend().get_title().get_text()
     assert len(ax.collections) == 4  # a band per mean, none for the dashed lines
+
+
+def test_a_sweep_over_formats_plots_val_loss_against_bits_per_value(tmp_path):
+    from halfprec.tools.report.bits_plot import bits_figure, format_points
+    from halfprec.tools.report.groups import group_jobs
+    from halfprec.tools.report.runs import find_jobs
+
+    fakes = [FakeJob({"precision.format": f, "seed": str(s)}, decay(0.5 + s / 10)) for f in ("null", "mxfp4", "nvfp4")
+             for s in (0, 1)]  # fmt: skip
+    jobs = find_jobs(write_sweep(tmp_path / "sweep", fakes))
+    points = {g.overrides["precision.format"]: format_points(g.jobs, "train/loss") for g in group_jobs(jobs)}
+    # MXFP4: 4 bits and an 8-bit scale per 32 values; NVFP4: an 8-bit scale per 16; null: no config: fp32
+    assert {f: bits for f, (bits, _) in points.items()} == {"null": 32.0, "mxfp4": 4.25, "nvfp4": 4.5}
+    assert [len(values) for _, values in points.values()] == [2, 2, 2]
+    assert bits_figure(jobs, "train/loss") is not None
+    assert write_report(tmp_path / "sweep", tmp_path / "out") == 0 and (tmp_path / "out" / "bits.png").is_file()
+    plain = find_jobs(write_sweep(tmp_path / "lr", [FakeJob({"optim.lr": "0.1"}, decay(0.5))] * 2))
+    assert bits_figure(plain, "train/loss") is None  # no format swept: no plot

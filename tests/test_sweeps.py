@@ -149,7 +149,8 @@ def test_a_diverging_job_is_recorded_as_diverged_with_the_counts_of_the_step_tha
     """lr=1e6 skips most steps without 50 in a row: more than half of the last 100 skipped stops it
     (exit 3 alone, "diverged" in the sweep); sweep.jsonl, summary.json, metrics.jsonl and the report
     agree on the skipped steps at that moment; the sweep ends with one line and exit 5."""
-    from halfprec.tools.report import find_jobs, job_metrics
+    from halfprec.tools.report.columns import job_metrics
+    from halfprec.tools.report.runs import find_jobs
 
     result = started["diverging"].result()
     assert result.returncode == 5 and "Traceback" not in result.output, result.output[-3000:]

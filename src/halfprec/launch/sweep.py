@@ -19,9 +19,8 @@ from omegaconf import DictConfig
 from halfprec.errors import Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 from halfprec.launch.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
+from halfprec.metrics import recorded
 
-# Recorded for every job, beside the task's own val/* metrics (whatever summary.json holds).
-RECORDED = ("train/loss", "scaler/skipped_steps", "scaler/min_scale", "scaler/final_scale")
 # The Optuna sweeper's own lines about failed trials ("Failed experiment: ...", "Failed [...] times
 # out of ...") repeat the errors the jobs' lines have printed.
 REPEATED = "Failed "
@@ -81,8 +80,7 @@ class SweepRecord(Callback):
             "status": job_status(err, summary),
             "wall_s": round(time.time() - self._started.pop(os.getpid(), time.time()), 3),
             "dir": str(run_dir),
-            **{k: summary.get(k) for k in RECORDED},
-            **{k: v for k, v in summary.items() if k.startswith("val/")},
+            **recorded(summary),
         }
         if err is None and line["status"] == "diverged":  # it returned the worst objective to the sweeper
             err = TrainingAborted(summary.get("error", "diverged"))

@@ -1,4 +1,4 @@
-"""The `halfprec` console script: `halfprec report PATH`, and room for more subcommands.
+"""The `halfprec` console script: `halfprec report PATH`, `halfprec sensitivity RUN_DIR`.
 
 Kept light so that `halfprec --help` answers at once: each command imports what it needs
 (matplotlib, wandb) when it runs.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from halfprec.tools.sensitivity import BLOCK_FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         "per configuration first) and write report.md and the plots: loss.png (train/loss against step), "
         "scale.png (the loss scale, when a job has a loss scaler), sweep.png (final val/loss against a swept "
         "number such as optim.lr), for a transformer with diagnostics=grads attn_logits.png and logz.png, and "
-        "for a number format with diagnostics=grads quant_err.png and quant_heatmap_<job>.png.",
+        "for a number format with diagnostics=grads quant_err.png and quant_heatmap_<job>.png, and for a run "
+        "`halfprec sensitivity` measured sensitivity_<job>.png.",
     )
     report.add_argument("path", type=Path, metavar="PATH", help="a run dir, a multirun sweep dir, or a dir of them")
     report.add_argument(
@@ -35,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log the table and plots to a new W&B run (job_type report; $WANDB_MODE, offline by default)",
     )
     report.set_defaults(handler=run_report)
+    add_sensitivity(commands)
     return parser
 
 
@@ -45,6 +49,41 @@ def run_report(args: argparse.Namespace) -> int:
         return write_report(args.path, args.out, args.wandb)
     except ReportError as err:
         print(f"halfprec report: error: {err}", file=sys.stderr)
+        return 2
+
+
+def add_sensitivity(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "sensitivity",
+        help="per layer and number format, the loss and gradient damage of a trained run; suggested precision.rules",
+        description="Rebuild a run's model from its last checkpoint and, on a few validation batches, measure for "
+        "every Linear layer and each format: the loss increase with that layer alone in the format, and the cosine "
+        "and relative error of its weight and input gradients; the whole model in the format as a reference row. "
+        "Writes sensitivity.md, sensitivity.json and sensitivity.png, prints the table and a precision.rules list "
+        "keeping the most damaged layers high within --keep.",
+    )
+    parser.add_argument("path", type=Path, metavar="RUN_DIR", help="a run dir (its newest checkpoint) or a step-*.pt")
+    parser.add_argument("--formats", default=",".join(BLOCK_FORMATS), help="comma-separated (default: %(default)s); "
+                        "the first is the one the suggested rules are for")  # fmt: skip
+    parser.add_argument("--batches", type=int, default=4, help="validation batches measured (default: %(default)s)")
+    parser.add_argument("--keep", type=float, default=0.15, help="the share that may stay high (default: %(default)s)")
+    parser.add_argument("--keep-by", choices=["layers", "params"], default="layers", help="a share of what")
+    parser.add_argument("--recipe", default="run", help="run (the run's precision.recipe), none, or switches: "
+                        "stochastic_grads,hadamard,weight_2d")  # fmt: skip
+    parser.add_argument("--seed", type=int, help="stochastic rounding's seed (default: the run's)")
+    parser.add_argument("--device", help="cpu or cuda (default: the run's trainer.device)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="where to write the files (default: the run dir)")
+    parser.set_defaults(handler=run_sensitivity)
+
+
+def run_sensitivity(args: argparse.Namespace) -> int:
+    from halfprec.tools.sensitivity.command import sensitivity
+    from halfprec.tools.sensitivity.measure import SensitivityError
+
+    try:
+        return sensitivity(args)
+    except SensitivityError as err:
+        print(f"halfprec sensitivity: error: {err}", file=sys.stderr)
         return 2
 
 

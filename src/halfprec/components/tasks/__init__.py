@@ -4,34 +4,20 @@ the training loop know nothing about labels or accuracy (docs/design.md, "Tasks"
 
 A new task is one module in this package, a `Task` subclass decorated with `@register_task`, and a
 conf/task/<name>.yaml. Its `metrics` are the one list of its metric names: the objective a sweeper
-optimizes, the columns of `halfprec report` and the values sweep.jsonl records all read it.
+optimizes, the columns of `halfprec report` and the values sweep.jsonl records all read it
+(halfprec/metrics.py: what a Metric is, and the run-level values every task's runs have).
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from halfprec.components.data import Dataset
-
-
-@dataclass(frozen=True)
-class Metric:
-    """A metric a task reports. `higher_is_better` decides which way a sweeper optimizes it and
-    which value a diverged trial gets (the worst); `fmt` is how `halfprec report` prints it, and
-    `column` whether the report's tables show it."""
-
-    name: str
-    higher_is_better: bool = False
-    fmt: str = ".4f"
-    column: bool = True
-
-
-TRAIN_LOSS = Metric("train/loss")  # every task's: the mean loss of the last logged window
+from halfprec.metrics import TRAIN_LOSS, VAL_LOSS, Metric
 
 
 class Evaluator:
@@ -55,7 +41,7 @@ class Task:
 
     name = ""
     metrics: tuple[Metric, ...] = ()  # the val/* values its evaluator reports
-    objective = "val/loss"  # what `objective: null` means: the metric a sweeper optimizes by default
+    objective = VAL_LOSS.name  # what `objective: null` means: the metric a sweeper optimizes by default
     learns_from = "classes"  # the targets it needs: a registered dataset's `targets` (components/data.py)
 
     @classmethod

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from halfprec.components.data import IGNORE_LABEL, Dataset  # IGNORE_LABEL: the padding that evens out ranks' shares
-from halfprec.components.tasks import Evaluator, Metric, Task, register_task
+from halfprec.components.tasks import VAL_LOSS, Evaluator, Metric, Task, register_task
 
 
 class ClassificationEvaluator(Evaluator):
@@ -32,7 +32,7 @@ class Classification(Task):
     """Class labels; cross-entropy on the logits; val/loss and val/acc."""
 
     name = "classification"
-    metrics = (Metric("val/loss"), Metric("val/acc", higher_is_better=True))
+    metrics = (VAL_LOSS, Metric("val/acc", higher_is_better=True))
     objective = "val/acc"
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from halfprec.components.data import IGNORE_LABEL, Dataset
-from halfprec.components.tasks import Evaluator, Metric, Task, register_task
+from halfprec.components.tasks import VAL_LOSS, Evaluator, Metric, Task, register_task
 from halfprec.spec import Spec
 
 
@@ -44,7 +44,7 @@ class LanguageModelling(Task):
 
     name = "lm"
     # val/bpb where the dataset knows its bytes per token; val/ppl is val/loss again, exponentiated
-    metrics = (Metric("val/loss"), Metric("val/bpb"), Metric("val/ppl", fmt=".4g", column=False))
+    metrics = (VAL_LOSS, Metric("val/bpb"), Metric("val/ppl", fmt=".4g", column=False))
     learns_from = "tokens"
 
     def __init__(

@@ -1,0 +1,300 @@
+"""`halfprec sensitivity RUN_DIR`: what computing each Linear layer in a number format does to a
+trained model, measured on its validation batches (docs/design.md, "Number formats").
+
+For every Linear layer L and format f, one pass with L alone a QuantizedLinear of f (its three GEMMs
+in f, the other layers as the run computed them) against one pass of the run's own precision with
+every Linear layer high:
+
+    damage          the loss on the batches with L in f, minus the reference's (L's forward GEMM
+                    is the only one that changes a loss)
+    weight grad     cosine and relative error ||g_f - g|| / ||g|| of L's own GEMM's weight
+                    gradient (the forward's change and L's backward GEMMs both reach it)
+    input grad      the same for the gradient L passes back to its input (none for a first layer
+                    whose inputs are data)
+
+both accumulated over the micro-batches (sums of products, then one cosine: a batch's gradient is
+what an optimizer step sees). The whole model in f, planned as precision=<f> would plan it, is the
+reference row. Stochastic rounding of gradients draws from the layer's seed and the batch number, so
+the numbers are the same on every call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from halfprec.components.data import Dataset, build_dataset
+from halfprec.components.models import create_model
+from halfprec.components.tasks import Task, build_task
+from halfprec.config import resolve_device
+from halfprec.errors import ConfigError
+from halfprec.numerics.formats import FORMATS
+from halfprec.numerics.layers import HIGH, linear_layers, plan_layers, swap_emulated
+from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
+
+WHOLE = "(whole model)"  # the row of every planned layer in the format at once
+RECIPE_SWITCHES = ("stochastic_grads", "hadamard", "weight_2d")
+
+
+class SensitivityError(Exception):
+    """A run the tool cannot measure: one line for the user."""
+
+
+@dataclass
+class Run:
+    """A trained model as its run computed it, and what scores it."""
+
+    cfg: DictConfig
+    checkpoint: Path
+    step: int
+    model: nn.Module
+    data: Dataset
+    task: Task
+    policy: PrecisionPolicy
+    device: torch.device
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint file as given, else the newest step-*.pt of a run dir (or of its checkpoints/)."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise SensitivityError(f"{path}: no such run dir or checkpoint file")
+    found = checkpoint_files(path / "checkpoints") or checkpoint_files(path)
+    if not found:
+        raise SensitivityError(
+            f"{path} holds no checkpoint (checkpoints/step-*.pt): the tool measures a trained model; a run "
+            "saves one every trainer.ckpt_every steps and at its end"
+        )
+    return found[-1]
+
+
+def load_run(path: Path, device: str | None = None) -> Run:
+    """Rebuild the run's model from the config its checkpoint saved, every Linear layer plain
+    (a run that trained quantized layers is measured against its own high precision), with the
+    checkpoint's weights, in eval mode."""
+    ckpt_path = find_checkpoint(path)
+    try:
+        ckpt = load_checkpoint(ckpt_path)
+    except ConfigError as err:  # its advice is resume's: keep what it says of the file
+        raise SensitivityError(f"{ckpt_path}: {err.fix.split(';')[0]}") from None
+    try:
+        cfg = OmegaConf.create(ckpt["config"])
+        if device:
+            cfg.trainer.device = device
+        target = resolve_device(cfg)  # the run's device and precision must work here
+        data = build_dataset(cfg.data)  # its data must be where the run read it
+        model = create_model(cfg.model, data.input_shape, data.num_classes)
+    except ConfigError as err:
+        raise SensitivityError(f"{ckpt_path}: {err}") from None
+    policy = PrecisionPolicy.from_config(cfg.precision, target.type)
+    policy.prepare_model(model)
+    # QuantizedLinear keeps its count of backward passes as extra state: not a weight
+    weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
+    model.load_state_dict(weights)
+    model.to(target).eval()
+    return Run(cfg, ckpt_path, int(ckpt["step"]), model, data, build_task(cfg.task), policy, target)
+
+
+def parse_recipe(text: str, run_recipe: DictConfig) -> Recipe:
+    """--recipe: `run` (the run's precision.recipe switches), `none`, or switches joined by commas."""
+    if text == "run":
+        chosen = [s for s in RECIPE_SWITCHES if run_recipe.get(s)]
+    elif text == "none":
+        chosen = []
+    else:
+        chosen = [s.strip() for s in text.split(",") if s.strip()]
+        unknown = [s for s in chosen if s not in RECIPE_SWITCHES]
+        if unknown:
+            raise SensitivityError(
+                f"--recipe: unknown {', '.join(unknown)}; use run, none, or {', '.join(RECIPE_SWITCHES)}"
+            )
+    rule = str(run_recipe.get("scale_rule", "floor"))
+    return Recipe(None, "stochastic_grads" in chosen, "hadamard" in chosen, "weight_2d" in chosen, rule)
+
+
+def parse_formats(text: str) -> list[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise SensitivityError(f"--formats: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(FORMATS)}")
+    return formats
+
+
+@dataclass
+class Agreement:
+    """How close gradients computed in a format are to the reference's, over micro-batches."""
+
+    dot: float = 0.0
+    test_sq: float = 0.0
+    ref_sq: float = 0.0
+    diff_sq: float = 0.0
+
+    def add(self, test: torch.Tensor, ref: torch.Tensor) -> None:
+        t, r = test.double(), ref.double()
+        self.dot += float((t * r).sum())
+        self.test_sq += float(t.square().sum())
+        self.ref_sq += float(r.square().sum())
+        self.diff_sq += float((t - r).square().sum())
+
+    @property
+    def cosine(self) -> float:
+        norms = math.sqrt(self.test_sq * self.ref_sq)
+        return self.dot / norms if norms else (1.0 if self.diff_sq == 0 else 0.0)
+
+    @property
+    def rel_err(self) -> float:
+        return math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else (0.0 if self.diff_sq == 0 else math.inf)
+
+
+@dataclass
+class Row:
+    """One layer (or WHOLE) in one format."""
+
+    layer: str
+    format: str
+    params: int
+    diffs: list[float] = field(default_factory=list)  # each batch's loss minus the reference's
+    weight_grad: Agreement = field(default_factory=Agreement)
+    input_grad: Agreement | None = None
+
+
+@dataclass
+class Pass:
+    """What one forward and backward gave: the loss, and the gradients asked for."""
+
+    loss: float
+    weight_grads: dict[str, torch.Tensor]
+    input_grads: dict[str, torch.Tensor]
+
+
+def weight(model: nn.Module, name: str) -> torch.Tensor:
+    layer = model.get_submodule(name)
+    assert isinstance(layer, nn.Linear)
+    return layer.weight
+
+
+def run_pass(run: Run, inputs: torch.Tensor, targets: torch.Tensor, layers: list[str]) -> Pass:
+    """The loss of one batch and, for each of `layers`, the weight gradient of its own GEMM (an
+    alias of its weight, so that a tied weight's other use is not counted) and its input gradient."""
+    aliases = {n: weight(run.model, n).detach().requires_grad_() for n in layers}
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        run.model.get_submodule(n).register_forward_pre_hook(lambda m, args, n=n: seen.__setitem__(n, args[0]))
+        for n in layers
+    ]
+    try:
+        with run.policy.autocast():
+            params = {f"{n}.weight": a for n, a in aliases.items()}
+            output = torch.func.functional_call(run.model, params, (run.policy.cast_input(inputs),), tie_weights=False)
+        loss = run.task.loss(output, targets)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    xs = {n: x for n, x in seen.items() if x.requires_grad}
+    wanted = [*aliases.values(), *xs.values()]
+    grads = torch.autograd.grad(loss, wanted)
+    weight_grads = dict(zip(aliases, grads[: len(aliases)]))
+    return Pass(float(loss.detach()), weight_grads, dict(zip(xs, grads[len(aliases) :])))
+
+
+@contextmanager
+def quantized(run: Run, plan: dict[str, str], recipe: Recipe, seed: int, batch: int) -> Iterator[None]:
+    """The planned layers as QuantizedLinear while inside, then the plain ones back; stochastic
+    rounding seeded by the layer and the batch number (as the run's layers are by their backward pass)."""
+    originals = {n: run.model.get_submodule(n) for n, f in plan.items() if f != HIGH}
+    swap_emulated(run.model, plan, recipe, seed, rank=0)
+    for name in originals:
+        layer = run.model.get_submodule(name)
+        assert isinstance(layer, QuantizedLinear)
+        layer.backward_passes = batch
+    try:
+        yield
+    finally:
+        for name, module in originals.items():
+            parent, _, child = name.rpartition(".")
+            setattr(run.model.get_submodule(parent) if parent else run.model, child, module)
+
+
+def add_pass(row: Row, got: Pass, ref: Pass) -> None:
+    row.diffs.append(got.loss - ref.loss)
+    for name, grad in got.weight_grads.items():
+        row.weight_grad.add(grad, ref.weight_grads[name])
+    if row.layer in got.input_grads:
+        row.input_grad = row.input_grad or Agreement()
+        row.input_grad.add(got.input_grads[row.layer], ref.input_grads[row.layer])
+
+
+@dataclass
+class Measured:
+    """Every row, and the reference: the run's own precision with every Linear layer high."""
+
+    reference_loss: float
+    rows: list[Row]
+    plans: dict[str, dict[str, str]]  # each format's plan as precision=<format> would make it
+    batches: int
+
+    @staticmethod
+    def damage(row: Row) -> float:
+        return sum(row.diffs) / len(row.diffs)
+
+    @staticmethod
+    def damage_se(row: Row) -> float:
+        """The standard error of the damage over the batches: below it, an order is noise."""
+        n, mean = len(row.diffs), sum(row.diffs) / len(row.diffs)
+        return math.sqrt(sum((d - mean) ** 2 for d in row.diffs) / (n - 1) / n) if n > 1 else math.nan
+
+
+def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: int,
+            advance: Callable[[], None] = lambda: None) -> Measured:  # fmt: skip
+    """The rows of every Linear layer and of WHOLE, in each format, over the first `batches`
+    validation batches; `advance` is called after every pass (a progress bar)."""
+    model = run.model
+    layers = linear_layers(model)
+    if not layers:
+        raise SensitivityError(f"{run.checkpoint}: {type(model).__name__} has no Linear layer to compute in a format")
+    size = {n: weight(model, n).numel() for n in layers}
+    plans = {f: plan_layers(model, f, []) for f in formats}
+    rows = {(n, f): Row(n, f, size[n]) for f in formats for n in layers}
+    whole = {f: Row(WHOLE, f, sum(size[n] for n, g in plans[f].items() if g != HIGH)) for f in formats}
+    ref_sum, seen = 0.0, 0
+    for b, (inputs, targets) in enumerate(validation_batches(run, batches)):
+        ref = run_pass(run, inputs, targets, layers)
+        ref_sum, seen = ref_sum + ref.loss, seen + 1
+        advance()
+        for f in formats:
+            for n in layers:
+                with quantized(run, {n: f}, recipe, seed, b):
+                    add_pass(rows[n, f], run_pass(run, inputs, targets, [n]), ref)
+                advance()
+            quantizable = [n for n, g in plans[f].items() if g != HIGH]
+            if quantizable:  # else the model's one Linear layer is its output head
+                with quantized(run, plans[f], recipe, seed, b):
+                    add_pass(whole[f], run_pass(run, inputs, targets, quantizable), ref)
+            advance()
+    if not seen:
+        raise SensitivityError(f"{run.checkpoint}: the run's data has no validation batch")
+    wholes = [row for row in whole.values() if row.diffs]
+    return Measured(ref_sum / seen, [*rows.values(), *wholes], plans, seen)
+
+
+def validation_batches(run: Run, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    size = run.task.val_batch_size(int(run.cfg.data.batch_size))
+    for i, batch in enumerate(run.data.val_batches(size, run.device)):
+        if i == count:
+            return
+        yield batch
+
+
+def passes(layers: int, formats: int, batches: int) -> int:
+    """How many forward-backward passes measure() makes: for a progress bar's total."""
+    return batches * (1 + formats * (layers + 1))

@@ -1,0 +1,38 @@
+"""From measured damage to a `precision.rules` list: the most sensitive layers stay high, within a
+budget of layers or of parameters (`--keep`, `--keep-by`)."""
+
+from __future__ import annotations
+
+from halfprec.numerics.layers import HIGH
+from halfprec.tools.sensitivity.measure import WHOLE, Measured, Row
+
+
+def ranked(measured: Measured, fmt: str) -> list[Row]:
+    """The layers precision=<fmt> would quantize, most damaged first (ties: the larger weight-gradient
+    error first); the output head and other layers the plan keeps high are not candidates."""
+    planned = measured.plans[fmt]
+    rows = [r for r in measured.rows if r.format == fmt and r.layer != WHOLE and planned.get(r.layer) != HIGH]
+    return sorted(rows, key=lambda r: (measured.damage(r), r.weight_grad.rel_err), reverse=True)
+
+
+def keep_high(candidates: list[Row], keep: float, by: str) -> list[Row]:
+    """The first of `candidates` that fit in the budget: `keep` of their number (rounded down), or
+    of their parameters (by="params": in rank order, skipping a layer that would overflow it)."""
+    if by == "layers":
+        return candidates[: int(keep * len(candidates) + 1e-9)]
+    budget, used, chosen = keep * sum(r.params for r in candidates), 0, []
+    for row in candidates:
+        if used + row.params <= budget:
+            chosen.append(row)
+            used += row.params
+    return chosen
+
+
+def rules_list(layers: list[str]) -> str:
+    """Rules that keep `layers` high, as Hydra's command line writes a list."""
+    return "[" + ", ".join(f"{{match: {name}, format: {HIGH}}}" for name in layers) + "]"
+
+
+def rules_override(layers: list[str]) -> str:
+    """The rules as a train.py override, quoted for a POSIX shell (layer names hold no quote)."""
+    return f"'precision.rules={rules_list(layers)}'"

@@ -1,0 +1,221 @@
+"""`halfprec sensitivity`: the numbers on a model small enough to know them by hand, the suggested
+rules, and the command as a user runs it (a trained run dir in, files and rules that train out)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from halfprec.components.tasks.classification import Classification
+from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.tools.sensitivity.measure import (
+    WHOLE,
+    Agreement,
+    Run,
+    SensitivityError,
+    measure,
+    parse_formats,
+    parse_recipe,
+)
+from halfprec.tools.sensitivity.rules import keep_high, ranked, rules_override
+
+from helpers import TRAIN, compose_cfg
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_values(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Values of the FP4 element grid, each row holding a 4 or a 6: every 32-value block's E8M0 scale
+    is then 1, and MXFP4 keeps each value as it is."""
+    signs = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
+    x = E2M1[torch.randint(0, 8, (rows, cols), generator=gen)] * signs
+    x[:, 0] = 4.0
+    return x
+
+
+class Toy(nn.Module):
+    """exact: weights and inputs on MXFP4's grid. spiky: its input has a channel of 10^4 (that its
+    weights ignore) in every 32-value block, so MXFP4's shared scale flushes the rest to zero. head:
+    the output head, which a plan keeps high."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.exact = nn.Linear(32, 32, bias=False)
+        self.plain = nn.Linear(32, 32, bias=False)
+        self.spiky = nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, 4, bias=False)
+        with torch.no_grad():
+            self.exact.weight.copy_(e2m1_values(32, 32, gen) / 8)
+            for layer in (self.plain, self.spiky, self.head):
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / 4)
+            self.spiky.weight[:, 0] = 0.0
+        self.register_buffer("offset", torch.zeros(32))
+        self.offset[0] = 1e4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.plain(self.exact(x))
+        return self.head(torch.tanh(self.spiky(h + self.offset)))
+
+
+class Batches:
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.batches = batches
+
+    def val_batches(self, size: int, device: torch.device):
+        return iter(self.batches)
+
+
+def toy_run(model: nn.Module, batches: list) -> Run:
+    cfg = OmegaConf.create({"data": {"batch_size": 8}, "seed": 0})
+    policy = PrecisionPolicy.from_config(compose_cfg("precision=fp32").precision, "cpu")
+    data = Batches(batches)
+    return Run(cfg, Path("toy.pt"), 0, model.eval(), data, Classification(), policy, torch.device("cpu"))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    gen = torch.Generator().manual_seed(0)
+    model = Toy(gen)
+    inputs = [e2m1_values(8, 32, gen) for _ in range(3)]
+    # labels the model predicts: a "trained" model, which a perturbation makes worse
+    batches = [(x, model(x).argmax(1).detach()) for x in inputs]
+    run = toy_run(model, batches)
+    return run, measure(run, ["mxfp4", "mxfp8"], 2, parse_recipe("none", OmegaConf.create({})), seed=0)
+
+
+def row(measured, layer, fmt):
+    return next(r for r in measured.rows if r.layer == layer and r.format == fmt)
+
+
+def test_a_layer_the_format_represents_exactly_has_no_damage_and_one_that_overflows_the_most(toy):
+    run, measured = toy
+    # the reference: the plain model's loss over the first two batches, by hand
+    by_hand = sum(float(F.cross_entropy(run.model(x), y).detach()) for x, y in run.data.batches[:2]) / 2
+    assert measured.reference_loss == pytest.approx(by_hand, rel=1e-6)
+    assert measured.batches == 2
+    exact = row(measured, "exact", "mxfp4")
+    assert exact.diffs == [0.0, 0.0]  # its forward GEMM's operands are already MXFP4 values
+    assert exact.input_grad is None  # its inputs are data: no gradient to pass back
+    layers = ["exact", "plain", "spiky", "head"]
+    damage = {n: measured.damage(row(measured, n, "mxfp4")) for n in layers}
+    assert max(damage, key=damage.get) == "spiky" and damage["spiky"] > 3 * max(damage["plain"], damage["head"])
+    # MXFP8 keeps 3 mantissa bits where MXFP4 keeps 1: less damage in the spiky layer, closer gradients
+    assert measured.damage(row(measured, "spiky", "mxfp8")) < damage["spiky"]
+    plain4, plain8 = row(measured, "plain", "mxfp4"), row(measured, "plain", "mxfp8")
+    assert 0 < plain8.weight_grad.rel_err < plain4.weight_grad.rel_err
+    assert plain4.weight_grad.cosine < plain8.weight_grad.cosine < 1
+    assert plain4.input_grad is not None and plain8.input_grad is not None
+    assert 0 < plain8.input_grad.rel_err < plain4.input_grad.rel_err
+    # the whole model: every layer but the head, as precision=mxfp4 would plan it
+    whole = row(measured, WHOLE, "mxfp4")
+    assert whole.params == 3 * 32 * 32 and measured.plans["mxfp4"]["head"] == "high"
+
+
+def test_measuring_leaves_the_model_as_it_was_and_repeats_exactly(toy):
+    run, measured = toy
+    assert [type(m) for m in run.model.children()] == [nn.Linear] * 4
+    again = measure(run, ["mxfp4", "mxfp8"], 2, parse_recipe("none", OmegaConf.create({})), seed=0)
+    assert [(r.diffs, r.weight_grad) for r in again.rows] == [(r.diffs, r.weight_grad) for r in measured.rows]
+
+
+def test_agreement_by_hand():
+    agree = Agreement()
+    agree.add(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]))
+    assert agree.cosine == pytest.approx(1 / math.sqrt(2))
+    assert agree.rel_err == pytest.approx(1 / math.sqrt(2))  # |(0, -1)| / |(1, 1)|
+    agree.add(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.0]))  # sums over batches, then one cosine
+    assert agree.cosine == pytest.approx(5 / math.sqrt(5 * 6))
+    assert agree.rel_err == pytest.approx(math.sqrt(1 / 6))
+
+
+def test_the_suggestion_keeps_the_most_damaged_within_the_budget(toy):
+    _, measured = toy
+    candidates = ranked(measured, "mxfp4")
+    assert [r.layer for r in candidates][0] == "spiky" and "head" not in [r.layer for r in candidates]
+    assert [r.layer for r in keep_high(candidates, 0.34, "layers")] == ["spiky"]  # 1.02 layers: one
+    assert keep_high(candidates, 0.3, "layers") == []  # 0.9 of a layer: none
+    assert [r.layer for r in keep_high(candidates, 0.34, "params")] == ["spiky"]  # a third of 3 equal layers
+    override = rules_override([r.layer for r in keep_high(candidates, 0.7, "layers")])
+    cfg = compose_cfg("precision=mxfp4", override.strip("'"))
+    assert [dict(r) for r in cfg.precision.rules] == [
+        {"match": r.layer, "format": "high"} for r in keep_high(candidates, 0.7, "layers")
+    ]
+
+
+def test_bad_arguments_and_a_model_without_linear_layers_are_one_line_errors():
+    with pytest.raises(SensitivityError, match=r"--formats: unknown mxfp5; known: fp8_e4m3, "):
+        parse_formats("mxfp4,mxfp5")
+    with pytest.raises(SensitivityError, match=r"--recipe: unknown sr; use run, none, or stochastic_grads"):
+        parse_recipe("sr", OmegaConf.create({}))
+    run_recipe = OmegaConf.create({"stochastic_grads": True, "hadamard": False, "weight_2d": True})
+    assert parse_recipe("run", run_recipe).weight_2d and parse_recipe("run", run_recipe).stochastic_grads
+    run = toy_run(nn.Sequential(nn.Flatten()), [(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))])
+    with pytest.raises(SensitivityError, match="Sequential has no Linear layer"):
+        measure(run, ["mxfp4"], 1, parse_recipe("none", OmegaConf.create({})), seed=0)
+
+
+GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
+
+
+def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    tool = [sys.executable, "-c", "import sys; from halfprec.tools.cli import main; sys.exit(main())"]
+    return subprocess.run([*tool, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def train(tmp_path: Path, name: str, *overrides: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, str(TRAIN), *GPT, "trainer.max_steps=3", "trainer.val_every=0", "logger=none"]
+    return subprocess.run([*args, f"hydra.run.dir={tmp_path / name}", *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.slow  # three trainings and the tool in subprocesses: ~15 s
+def test_the_command_measures_a_run_writes_its_files_and_its_rules_train(tmp_path):
+    assert train(tmp_path, "run", "precision=bf16").returncode == 0
+    result = run_tool("sensitivity", str(tmp_path / "run"), "--formats", "mxfp4,nvfp4", "--batches", "1",
+                      "--keep", "0.25", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| (whole model) |" in result.stdout and "| blocks.1.mlp.proj |" in result.stdout
+    summary = json.loads((tmp_path / "run" / "sensitivity.json").read_text())
+    assert summary["formats"] == ["mxfp4", "nvfp4"] and summary["step"] == 3 and summary["precision"] == "bf16"
+    assert len(summary["rows"]) == 2 * (8 + 1 + 1)  # 8 block layers, the head, the whole model
+    assert (tmp_path / "run" / "sensitivity.png").stat().st_size > 0
+    assert "## Suggested rules" in (tmp_path / "run" / "sensitivity.md").read_text()
+    # halfprec report draws the measured run's heatmap, and none for a run that was not measured
+    assert run_tool("report", str(tmp_path / "run"), "--out", str(tmp_path / "report"), cwd=tmp_path).returncode == 0
+    assert (tmp_path / "report" / "sensitivity_run.png").stat().st_size > 0
+    assert "sensitivity_run.png" in (tmp_path / "report" / "report.md").read_text()
+    # 2 of the 8 layers: the rules line as printed, given to train.py through a shell
+    (rules,) = re.findall(r"^\s+('precision\.rules=\[.*\]')$", result.stdout, re.M)
+    kept = re.findall(r"match: ([\w.]+)", rules)
+    assert len(kept) == 2
+    shell = f"{sys.executable} {TRAIN} {' '.join(GPT)} trainer.max_steps=2 logger=none precision=mxfp4 {rules}"
+    trained = subprocess.run(shell, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    assert re.search(r"high\s+3\s", trained.stderr)  # the two kept layers and the head
+    (tmp_path / "run" / "sensitivity.json").unlink()
+    assert run_tool("report", str(tmp_path / "run"), "--out", str(tmp_path / "again"), cwd=tmp_path).returncode == 0
+    assert not list((tmp_path / "again").glob("sensitivity*"))
+
+
+def test_a_run_without_a_checkpoint_and_a_foreign_file_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_tool("sensitivity", str(tmp_path / "empty"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"halfprec sensitivity: error: {tmp_path / 'empty'} holds no checkpoint (checkpoints/step-*.pt): the tool "
+        "measures a trained model; a run saves one every trainer.ckpt_every steps and at its end"
+    ]
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    result = run_tool("sensitivity", str(tmp_path / "notes.pt"), cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"halfprec sensitivity: error: {tmp_path / 'notes.pt'}: unreadable checkpoint (")
