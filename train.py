@@ -13,7 +13,8 @@ from halfprec.config import validate
 from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
 from halfprec.launch.exits import in_sweep, job_errors, run_cli
-from halfprec.launch.objective import register_resolvers, sweep_value
+from halfprec.launch.objective import sweep_value
+from halfprec.launch.resolvers import register_resolvers
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -37,6 +38,6 @@ if __name__ == "__main__":
         # torchrun: rank 0's Hydra run dir is the run's (shared with the others after the process
         # group is up); the other ranks get a scratch dir so that no stray run dirs appear
         sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='halfprec-rank-')}", "hydra.output_subdir=null"]
-    register_resolvers()  # ${halfprec.direction:...} in conf/hparams_search/optuna.yaml
+    register_resolvers()  # ${halfprec.direction:...} (hparams_search=optuna), ${halfprec.dirname:...} (job dirs)
     # every way a run or sweep ends becomes an exit code and one line (halfprec/launch/exits.py)
     sys.exit(run_cli(main, Path(__file__).resolve().parent / "conf", sys.argv[1:]))

@@ -150,6 +150,8 @@ def test_the_suggestion_keeps_the_most_damaged_within_the_budget(toy):
     assert [dict(r) for r in cfg.precision.rules] == [
         {"match": r.layer, "format": "high"} for r in keep_high(candidates, 0.7, "layers")
     ]
+    # an nn.Sequential's layers are named "1", "3": still strings once Hydra has read the rule
+    assert compose_cfg("precision=mxfp4", rules_override(["3"]).strip("'")).precision.rules[0].match == "3"
 
 
 def test_bad_arguments_and_a_model_without_linear_layers_are_one_line_errors():
@@ -196,7 +198,7 @@ def test_the_command_measures_a_run_writes_its_files_and_its_rules_train(tmp_pat
     assert "sensitivity_run.png" in (tmp_path / "report" / "report.md").read_text()
     # 2 of the 8 layers: the rules line as printed, given to train.py through a shell
     (rules,) = re.findall(r"^\s+('precision\.rules=\[.*\]')$", result.stdout, re.M)
-    kept = re.findall(r"match: ([\w.]+)", rules)
+    kept = re.findall(r'match: "([\w.]+)"', rules)
     assert len(kept) == 2
     shell = f"{sys.executable} {TRAIN} {' '.join(GPT)} trainer.max_steps=2 logger=none precision=mxfp4 {rules}"
     trained = subprocess.run(shell, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -106,7 +106,8 @@ def test_the_search_optimizes_the_objective_the_way_it_wants(tmp_path):
     objective=null is the task's own (val/acc for classification, val/loss for task=lm)."""
     from hydra import compose, initialize_config_dir
 
-    from halfprec.launch.objective import objective_metric, register_resolvers
+    from halfprec.launch.objective import objective_metric
+    from halfprec.launch.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
@@ -262,3 +263,16 @@ def test_wandb_sweep_command_runs_train_py_with_hydra_overrides(sweep_file, tmp_
                 node = node[part]
         assert node == args[name]["value"], (name, node)
     assert config["trainer"]["max_steps"] == 3 and config["data"]["batch_size"] == 16
+
+
+def test_a_job_dir_name_stays_short_and_distinct():
+    """A sweep over long values (precision.rules lists) got "File name too long" from Hydra's job dir
+    names: past 128 bytes the name is its start and a hash of the whole."""
+    from halfprec.launch.resolvers import DIRNAME_MAX, dirname
+
+    short = "optim.lr=0.001,seed=1"
+    assert dirname(short) == short
+    rules = [f'precision.rules=[{{match:"blocks.{i}.attn.qkv",format:high}}]' * 5 + ",seed=0" for i in range(2)]
+    names = [dirname(r) for r in rules]
+    assert names[0] != names[1] and all(len(n.encode()) == DIRNAME_MAX for n in names)
+    assert names[0].startswith(rules[0][:100]) and dirname(rules[0]) == names[0]  # the same every time

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 
 def task_metric(task: str, objective: str | None) -> Any:
@@ -30,11 +30,6 @@ def direction(objective: str | None, task: str) -> str:
     that conf/hparams_search/optuna.yaml gives the sweeper, so val/loss is minimized, val/acc maximized."""
     metric = task_metric(task, objective)
     return "maximize" if metric is not None and metric.higher_is_better else "minimize"
-
-
-def register_resolvers() -> None:
-    """Before Hydra composes the config (train.py)."""
-    OmegaConf.register_new_resolver("halfprec.direction", direction, replace=True)
 
 
 def sweep_value(cfg: DictConfig, summary: dict | None) -> float:

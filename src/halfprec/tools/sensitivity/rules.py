@@ -29,8 +29,9 @@ def keep_high(candidates: list[Row], keep: float, by: str) -> list[Row]:
 
 
 def rules_list(layers: list[str]) -> str:
-    """Rules that keep `layers` high, as Hydra's command line writes a list."""
-    return "[" + ", ".join(f"{{match: {name}, format: {HIGH}}}" for name in layers) + "]"
+    """Rules that keep `layers` high, as Hydra's command line writes a list; each name quoted, since
+    Hydra would read an nn.Sequential's "3" as a number."""
+    return "[" + ", ".join(f'{{match: "{name}", format: {HIGH}}}' for name in layers) + "]"
 
 
 def rules_override(layers: list[str]) -> str:
