@@ -33,7 +33,6 @@ def metric_formats() -> dict[str, str]:
 def spread_formats() -> dict[str, str]:
     """The columns whose group mean ± std prints otherwise than their values: a mean of counts or
     powers of two is not whole."""
-
     return {m.column: m.spread_fmt for m in RUN_METRICS if m.spread_fmt is not None}
 
 
@@ -42,13 +41,11 @@ def optional_columns() -> tuple[str, ...]:
     """Columns a setting logs, shown only where some job logged them: the optional RUN_METRICS
     (tokens/s: task=lm; the attention logits: a transformer with diagnostics=grads), and every val/*
     column but val/loss, which every task reports."""
-
     return (*(m.column for m in RUN_METRICS if m.optional), *(name for name in val_formats() if name != VAL_LOSS.name))
 
 
 def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
     """The table's metric columns for one job (keys as in metric_formats())."""
-
     return {
         TRAIN_LOSS.name: final(rows, TRAIN_LOSS.name),
         **{name: final(rows, name) for name in val_formats()},
