@@ -56,3 +56,24 @@ def test_an_override_hydra_cannot_parse_is_one_line_naming_it(tmp_path):
     assert code == 2 and "\n" not in line
     assert line.startswith("error: hydra.run.dir=/tmp/a=b: not an override Hydra can read (mismatched input '='")
     assert line.endswith("""quote a value that holds '=', spaces or brackets: 'key="a value"'""")
+
+
+def test_a_sweep_that_cannot_launch_its_next_job_says_so_in_one_line(tmp_path):
+    """One job ran, then the next one's config did not compose (each batch is composed as it
+    launches): the error was printed nowhere and Hydra's dump ended the sweep with exit 1."""
+    import subprocess
+    import sys
+
+    from helpers import TRAIN
+
+    args = ["-m", "precision=bf16,nosuch", "hydra.sweeper.max_batch_size=1", "trainer.max_steps=2", "logger=none",
+            "model.hidden=[8]", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(TRAIN), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith(("error", "sweep:"))]
+    assert lines[0].startswith("error: precision=nosuch: no such option in conf/precision/")
+    assert lines[0].endswith("; the sweep stopped: the jobs after those recorded did not run")
+    assert lines[1] == f"sweep: 1 completed; {tmp_path / 'sweep' / 'sweep.jsonl'} (exit 2)"
+    assert "Config search path" not in result.stderr

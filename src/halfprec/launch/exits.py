@@ -147,6 +147,8 @@ def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
     if sweep_log.jobs_recorded():  # a job failed (its line is printed by now, or just below); the sweep's
         if isinstance(err, Preempted):  # a job in another process was stopped by a signal
             return _end_of_sweep(SIGNAL)
+        if not sweep_log.records_error(err):  # launching the next job failed: nothing has said so
+            return _launch_failed(err, conf_dir, argv)
         # a job's error that the sweeper raised again (Optuna's max_failure_rate): printed as the job ended
         printed = failure_line(err) is not None or id(err) in sweep_log.printed_errors
         return _end_of_sweep(SWEEP_FAILED if printed else _bug(err))
@@ -157,6 +159,16 @@ def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
         return _bug(err)
     print(known[1], file=sys.stderr)
     return known[0]
+
+
+def _launch_failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
+    """A multirun that stopped between jobs (the next job's config did not compose: a conf/ file
+    edited while the sweep ran, say): its error, and that the jobs after the recorded ones did not run."""
+    known = failure_line(err) or hydra_error_line(err, conf_dir, argv)
+    if known is None:
+        return _end_of_sweep(_bug(err))
+    print(f"{known[1]}; the sweep stopped: the jobs after those recorded did not run", file=sys.stderr)
+    return _end_of_sweep(known[0])
 
 
 def _bug(err: BaseException) -> int:

@@ -52,6 +52,13 @@ def jobs_recorded() -> bool:
     return launched is not None and bool(read_lines(launched))
 
 
+def records_error(err: BaseException) -> bool:
+    """Whether a job's line holds this error (as the callback wrote it): False for one raised while a
+    job was being launched (Hydra composing its config), which no job line records."""
+    text = f"{type(err).__name__}: {err}"
+    return launched is not None and any(line.get("error") == text for line in read_lines(launched).values())
+
+
 def status_counts() -> tuple[Path, dict[str, int]] | None:
     """(sweep.jsonl, jobs per status) for the multirun this process launched; None after a single run."""
     if launched is None:
