@@ -54,7 +54,8 @@ def choices(run_dir: Path, precision: str, keep: float, batches: int) -> tuple[d
     measured = measure(run, [preset.format], batches, recipe, seed=0)
     candidates = ranked(measured, preset.format)
     k = len(keep_high(candidates, keep, "layers"))
-    in_order = [r.layer for r in sorted(candidates, key=lambda r: list(measured.plans[preset.format]).index(r.layer))]
+    names = {r.layer for r in candidates}
+    in_order = [name for name in measured.plans[preset.format] if name in names]  # model order
     picked = {
         "suggested": [r.layer for r in candidates[:k]],
         "random": random.Random(0).sample(in_order, k),

@@ -234,6 +234,7 @@ def check_native(p: DictConfig) -> None:
     """precision.kernel=native: a format torchao has a training kernel for, as the format defines it
     (no recipe switch the kernel lacks, no rule naming another format)."""
     from halfprec.numerics.layers import NATIVE, native_recipe
+    from halfprec.numerics.quantized import RECIPE_SWITCHES
 
     key = "precision.kernel"
     if p.fp8:
@@ -244,7 +245,7 @@ def check_native(p: DictConfig) -> None:
             key, "native", f"torchao has no training kernel for format={p.format} with recipe.grad_format="
             f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
         )  # fmt: skip
-    switches = [k for k in ("stochastic_grads", "hadamard", "weight_2d") if p.recipe[k]]
+    switches = [k for k in RECIPE_SWITCHES if p.recipe[k]]
     others = [r.format for r in p.rules if r.format not in ("high", p.format)]
     if switches or others:
         what = f"precision.recipe.{switches[0]}" if switches else f"a rule's format {others[0]}"

@@ -92,11 +92,9 @@ def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: 
     for name, fmt in plan.items():
         if fmt == HIGH:
             continue
-        parent, _, child = name.rpartition(".")
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        quantized = QuantizedLinear.from_linear(linear, fmt, recipe, layer_seed(seed, name, rank))
-        setattr(model.get_submodule(parent) if parent else model, child, quantized)
+        model.set_submodule(name, QuantizedLinear.from_linear(linear, fmt, recipe, layer_seed(seed, name, rank)))
 
 
 def float8_fits(module: nn.Module) -> bool:

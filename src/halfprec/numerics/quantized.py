@@ -32,6 +32,10 @@ HADAMARD_SIZE = 16
 SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
+# Recipe's on/off switches: what a precision option turns on, and what a kernel or tool may lack
+RECIPE_SWITCHES = ("stochastic_grads", "hadamard", "weight_2d")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How a layer's GEMMs use its format (precision.recipe): the gradient's own format (null: the

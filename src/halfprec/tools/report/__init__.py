@@ -9,7 +9,9 @@ for a transformer with diagnostics=grads, attn_logits.png and logz.png; into PAT
 emulated number format with diagnostics=grads (quant/<layer>/<operand>/rel_err keys) also get
 quant_err.png (the mean relative quantization error against step, the largest dashed) and, per job,
 quant_heatmap_<job>.png (each layer's error per operand at its last diagnostics step; at most
-quant.MAX_HEATMAPS of them, report.md names the jobs left out).
+quant.MAX_HEATMAPS of them, report.md names the jobs left out). A sweep over precision.format gets
+bits.png (final val/loss against bits per value); a run `halfprec sensitivity` measured gets
+sensitivity_<job>.png.
 
 Jobs whose overrides differ in the seed alone (or not at all) form a group: one configuration run
 several times. The group table and the plots show each group as mean ± std over its completed jobs;
@@ -21,8 +23,8 @@ tasks' metrics) once the tables are made: `halfprec --help` loads none of them.
 The modules: runs (finding and reading runs into Jobs), values (a metric's value in a job), groups
 (configurations and their statistics), columns (the metric columns, from
 halfprec/metrics.py), tables (the tables, their cells, report.md), looks, lines, yaxis,
-offchart and plots (line plots against step), sweep_plot (sweep.png), quant (the quantization
-plots), upload (W&B).
+offchart and plots (line plots against step), sweep_plot (sweep.png), bits_plot (bits.png), quant
+(the quantization plots), sensitivity (the sensitivity heatmaps), upload (W&B).
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     swept number such as the lr), bits.png (a sweep over precision.format), the logit plots of
     transformer diagnostics, the quantization error plots (quant_err.png, quant_heatmap_<job>.png),
     and sensitivity_<job>.png for a run with a sensitivity.json, into `out` (default: PATH); 0 on success."""
-
     jobs = find_jobs(path)
     root = path.resolve()
     out = out or path

@@ -12,7 +12,7 @@ from halfprec.tools.report.runs import Job
 from halfprec.tools.report.values import final
 
 FORMAT_KEY = "precision.format"
-HIGH_BITS = {"bfloat16": 16.0, "float16": 16.0, None: 32.0}  # no format: the layers compute in autocast's dtype
+HIGH_BITS = {"bfloat16": 16.0, "float16": 16.0}  # no format: the autocast dtype's bits (none: fp32's 32)
 
 
 def format_points(jobs: list[Job], metric: str) -> tuple[float, list[float]]:

@@ -20,6 +20,7 @@ the numbers are the same on every call.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,11 +39,10 @@ from halfprec.errors import ConfigError
 from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.layers import HIGH, linear_layers, plan_layers, swap_emulated
 from halfprec.numerics.policy import PrecisionPolicy
-from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once
-RECIPE_SWITCHES = ("stochastic_grads", "hadamard", "weight_2d")
 
 
 class SensitivityError(Exception):
@@ -221,8 +221,7 @@ def quantized(run: Run, plan: dict[str, str], recipe: Recipe, seed: int, batch: 
         yield
     finally:
         for name, module in originals.items():
-            parent, _, child = name.rpartition(".")
-            setattr(run.model.get_submodule(parent) if parent else run.model, child, module)
+            run.model.set_submodule(name, module)
 
 
 def add_pass(row: Row, got: Pass, ref: Pass) -> None:
@@ -250,7 +249,7 @@ class Measured:
     @staticmethod
     def damage_se(row: Row) -> float:
         """The standard error of the damage over the batches: below it, an order is noise."""
-        n, mean = len(row.diffs), sum(row.diffs) / len(row.diffs)
+        n, mean = len(row.diffs), Measured.damage(row)
         return math.sqrt(sum((d - mean) ** 2 for d in row.diffs) / (n - 1) / n) if n > 1 else math.nan
 
 
@@ -264,8 +263,9 @@ def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: in
         raise SensitivityError(f"{run.checkpoint}: {type(model).__name__} has no Linear layer to compute in a format")
     size = {n: weight(model, n).numel() for n in layers}
     plans = {f: plan_layers(model, f, []) for f in formats}
+    quantizable = {f: [n for n, g in plans[f].items() if g != HIGH] for f in formats}
     rows = {(n, f): Row(n, f, size[n]) for f in formats for n in layers}
-    whole = {f: Row(WHOLE, f, sum(size[n] for n, g in plans[f].items() if g != HIGH)) for f in formats}
+    whole = {f: Row(WHOLE, f, sum(size[n] for n in quantizable[f])) for f in formats}
     ref_sum, seen = 0.0, 0
     for b, (inputs, targets) in enumerate(validation_batches(run, batches)):
         ref = run_pass(run, inputs, targets, layers)
@@ -276,10 +276,9 @@ def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: in
                 with quantized(run, {n: f}, recipe, seed, b):
                     add_pass(rows[n, f], run_pass(run, inputs, targets, [n]), ref)
                 advance()
-            quantizable = [n for n, g in plans[f].items() if g != HIGH]
-            if quantizable:  # else the model's one Linear layer is its output head
+            if quantizable[f]:  # else the model's one Linear layer is its output head
                 with quantized(run, plans[f], recipe, seed, b):
-                    add_pass(whole[f], run_pass(run, inputs, targets, quantizable), ref)
+                    add_pass(whole[f], run_pass(run, inputs, targets, quantizable[f]), ref)
             advance()
     if not seen:
         raise SensitivityError(f"{run.checkpoint}: the run's data has no validation batch")
@@ -288,11 +287,9 @@ def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: in
 
 
 def validation_batches(run: Run, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `count` validation batches (none for a count below 1: measure() then says so)."""
     size = run.task.val_batch_size(int(run.cfg.data.batch_size))
-    for i, batch in enumerate(run.data.val_batches(size, run.device)):
-        if i == count:
-            return
-        yield batch
+    return itertools.islice(run.data.val_batches(size, run.device), max(count, 0))
 
 
 def passes(layers: int, formats: int, batches: int) -> int:
