@@ -21,7 +21,7 @@ from halfprec.launch.resolvers import register_resolvers
 def main(cfg: DictConfig) -> float:
     with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
         join_job_tasks()  # a submitit job of several tasks: one distributed run, as under torchrun
-        validate(cfg)  # a bad value fails before torch is imported, and any data or model built
+        validate(cfg)  # a bad value fails before any data or model is built
         from halfprec.training.run import run
 
         try:

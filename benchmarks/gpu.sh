@@ -92,9 +92,10 @@ quick=()
 [ "$REHEARSAL" = 1 ] && quick=(--quick)
 # "${quick[@]}" of an empty array is an unbound variable under set -u in bash < 4.4: this form is not
 
-# 1. the GPU-marked tests (~2 min on one H200)
+# 1. the GPU-marked tests (~2 min on one H200); `-o addopts`: pyproject's `-n auto` needs pytest-xdist,
+# which the GPU machine may lack, and the GPU tests share one device: one process
 t=$(limit 200 340)
-timeout -k 10 "$t" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+timeout -k 10 "$t" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -o addopts=--strict-markers 2>&1 | tee "$out/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || status=1
 cut_short "$rc" "$t" "$out/gpu_tests.log"

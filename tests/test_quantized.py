@@ -12,10 +12,11 @@ from torch import nn
 
 from halfprec.config import validate
 from halfprec.errors import ConfigError
+from halfprec.numerics import quantized
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
 from halfprec.numerics.layers import HIGH, Rule, plan_layers, swap_emulated
-from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.quantized import QuantizedLinear, Recipe, keep_eager
 from halfprec.training.build import build
 from halfprec.training.run import run
 
@@ -290,3 +291,33 @@ def test_native_kernel_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
         resolve_device(cfg)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_keeps_its_quantized_layers_eager_with_the_eager_values(monkeypatch):
+    # ~10 s: inductor compiles the plain layers around the quantized one on the CPU
+    traced = []  # per call of the quantizer: whether torch.compile was tracing it
+
+    def spy(*args, **kwargs):
+        traced.append(torch.compiler.is_compiling())
+        return real(*args, **kwargs)
+
+    real = quantized.quantize
+    monkeypatch.setattr(quantized, "quantize", spy)
+    torch.manual_seed(0)
+    inner = QuantizedLinear.from_linear(nn.Linear(64, 32), "nvfp4", Recipe(stochastic_grads=True, hadamard=True), 3)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), inner, nn.Linear(32, 8))
+    x = torch.randn(48, 32)
+    grads = []
+    for compiled in (False, True):
+        inner.backward_passes = 0  # the same stochastic draws in both passes
+        if compiled:
+            keep_eager(model)
+            net = torch.compile(model)
+        model.zero_grad()
+        out = (net if compiled else model)(x)
+        out.square().sum().backward()
+        grads.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+    assert len(traced) == 2 * 6 and not any(traced), traced  # 6 quantized operands a pass, none traced
+    for eager, compiled in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -73,11 +73,7 @@ class QuantizedLinear(nn.Linear):
         layer.weight, layer.bias = linear.weight, linear.bias
         return layer
 
-    # Eager under trainer.compile (the rest of the model compiles around it): torch 2.14's inductor
-    # fails on the blocked views (an AssertionError in its CPU loop splitting), and a layer whose
-    # statistics and random draws are Python state would recompile on every change of them.
-    @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # eager under trainer.compile: keep_eager
         return QuantizedMatmul.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
@@ -173,3 +169,15 @@ class QuantizedMatmul(torch.autograd.Function):
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.sum(0).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
         return dx, dw, db, None
+
+
+def keep_eager(model: nn.Module) -> None:
+    """Leave the quantized layers eager under torch.compile (the rest of the model compiles around
+    them): torch 2.14's inductor fails on the blocked views (an AssertionError in its CPU loop
+    splitting), and a layer whose statistics and random draws are Python state would recompile on
+    every change of them. Per instance at compile time, not `@torch.compiler.disable` on the class:
+    the decorator imports torch._dynamo (1-2 s on a CPU) as this module is imported, which config
+    validation does, so a config error waited for it (a run imports it anyway, with its optimizer)."""
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.forward = torch.compiler.disable(layer.forward)  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ from halfprec.numerics.optimizers import optimizer_arguments
 from halfprec.numerics.param_groups import param_groups, without_decay
 from halfprec.numerics.params import ParamStrategy, build_params
 from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.numerics.quantized import keep_eager
 from halfprec.numerics.scaling import LossScaler, build_scaler
 from halfprec.training import distributed
 from halfprec.training.distributed import World
@@ -149,7 +150,10 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     stepper = Stepper(net, task, policy, params, optimizer, scheduler, scaler, clip, weight)
     # the checkpoints keep saving `model` itself: no `_orig_mod.` prefixes in their keys
     # torch.compile types its result as a callable; given a Module it returns one (an OptimizedModule)
-    compiled = cast(nn.Module, torch.compile(net)) if cfg.trainer.compile else None
+    compiled = None
+    if cfg.trainer.compile:
+        keep_eager(model)
+        compiled = cast(nn.Module, torch.compile(net))
     return Components(model, data, task, policy, params, optimizer, scheduler, scaler, device, stepper, world, compiled)
 
 
