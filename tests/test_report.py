@@ -821,7 +821,7 @@ def test_quant_err_plot_dashes_the_largest_error_beside_each_mean_in_its_colour(
 
 
 def test_a_sweep_over_formats_plots_val_loss_against_bits_per_value(tmp_path):
-    from halfprec.tools.report.bits_plot import bits_figure, format_points
+    from halfprec.tools.report.bits_plot import bits_figure, format_points, spread
     from halfprec.tools.report.groups import group_jobs
     from halfprec.tools.report.runs import find_jobs
 
@@ -832,7 +832,12 @@ def test_a_sweep_over_formats_plots_val_loss_against_bits_per_value(tmp_path):
     # MXFP4: 4 bits and an 8-bit scale per 32 values; NVFP4: an 8-bit scale per 16; null: no config: fp32
     assert {f: bits for f, (bits, _) in points.items()} == {"null": 32.0, "mxfp4": 4.25, "nvfp4": 4.5}
     assert [len(values) for _, values in points.values()] == [2, 2, 2]
-    assert bits_figure(jobs, "train/loss") is not None
+    fig = bits_figure(jobs, "train/loss")
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [
+        "null (32 bits)", "mxfp4 (4.25 bits)", "nvfp4 (4.5 bits)"]  # fmt: skip
     assert write_report(tmp_path / "sweep", tmp_path / "out") == 0 and (tmp_path / "out" / "bits.png").is_file()
+    # formats of equal bits side by side around their bits, the others where their bits are
+    same = {"fp8_e4m3": (8.0, [1.0]), "mxfp4": (4.25, [1.0]), "fp8_e5m2": (8.0, [1.0]), "fp8_e4m3_row": (8.0, [1.0])}
+    assert spread(same, step=0.1) == pytest.approx([7.9, 4.25, 8.0, 8.1])
     plain = find_jobs(write_sweep(tmp_path / "lr", [FakeJob({"optim.lr": "0.1"}, decay(0.5))] * 2))
     assert bits_figure(plain, "train/loss") is None  # no format swept: no plot

@@ -30,23 +30,37 @@ def bits_figure(jobs: list[Job], metric: str) -> Any | None:
     """The Figure, or None when the jobs do not vary precision.format."""
     if FORMAT_KEY not in shown_overrides(jobs):
         return None
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    palette = colormaps["tab20"]  # the ten dark colours first, then their light ones: 20 formats apart
     panels = group_jobs(jobs, leave_out=(FORMAT_KEY,))
     varying = [key for key in shown_overrides(jobs) if key != FORMAT_KEY]
-    fig = Figure(figsize=(6.5, 4.0 * len(panels)), layout="constrained")
+    fig = Figure(figsize=(8.5, 4.0 * len(panels)), layout="constrained")
     FigureCanvasAgg(fig)
     for ax, panel in zip(fig.subplots(len(panels), 1, squeeze=False)[:, 0], panels):
-        for fmt, group in ((g.overrides.get(FORMAT_KEY), g) for g in group_jobs(panel.jobs)):
-            bits, values = format_points(group.jobs, metric)
-            if not values:
-                continue
-            mean, spread = statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-            ax.errorbar(bits, mean, yerr=spread, fmt="o", capsize=3)
-            ax.annotate(str(fmt), (bits, mean), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        points = {g.overrides.get(FORMAT_KEY): format_points(g.jobs, metric) for g in group_jobs(panel.jobs)}
+        points = {fmt: point for fmt, point in points.items() if point[1]}
+        for i, ((fmt, (bits, values)), x) in enumerate(zip(points.items(), spread(points), strict=True)):
+            mean, sd = statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+            style = {"color": palette(2 * i % 20 + i // 10 % 2), "marker": "osD^v"[i // 20 % 5], "capsize": 3}
+            ax.errorbar(x, mean, yerr=sd, linestyle="none", label=f"{fmt} ({bits:g} bits)", **style)
         where = ", ".join(f"{k}={v}" for k, v in panel.overrides.items() if k in varying) or "the sweep"
         ax.set_title(f"{where}: final {metric}, mean ± std over seeds", fontsize="medium")
         ax.set_xlabel("bits per value (block scales included; null: the autocast dtype)")
         ax.set_ylabel(metric)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title=FORMAT_KEY, title_fontsize=7)
     return fig
+
+
+def spread(points: dict[Any, tuple[float, list[float]]], step: float = 0.08) -> list[float]:
+    """Each point's x: its bits, formats of equal bits side by side `step` apart (five 8-bit ones
+    would otherwise draw their error bars over each other)."""
+    same = [sum(b == bits for b, _ in points.values()) for bits, _ in points.values()]
+    seen: dict[float, int] = {}
+    xs = []
+    for (bits, _), n in zip(points.values(), same, strict=True):
+        k = seen[bits] = seen.get(bits, -1) + 1
+        xs.append(bits + (k - (n - 1) / 2) * step)
+    return xs
