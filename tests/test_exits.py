@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import pytest
 
 from halfprec.errors import ConfigError, InitError, PrecisionMismatch, Preempted, TrainingAborted
 from halfprec.launch import exits
+
+from helpers import TRAIN
 
 
 @pytest.mark.parametrize(
@@ -61,11 +65,6 @@ def test_an_override_hydra_cannot_parse_is_one_line_naming_it(tmp_path):
 def test_a_sweep_that_cannot_launch_its_next_job_says_so_in_one_line(tmp_path):
     """One job ran, then the next one's config did not compose (each batch is composed as it
     launches): the error was printed nowhere and Hydra's dump ended the sweep with exit 1."""
-    import subprocess
-    import sys
-
-    from helpers import TRAIN
-
     args = ["-m", "precision=bf16,nosuch", "hydra.sweeper.max_batch_size=1", "trainer.max_steps=2", "logger=none",
             "model.hidden=[8]", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
     result = subprocess.run(

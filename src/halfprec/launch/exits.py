@@ -152,19 +152,22 @@ def _failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
         # a job's error that the sweeper raised again (Optuna's max_failure_rate): printed as the job ended
         printed = failure_line(err) is not None or id(err) in sweep_log.printed_errors
         return _end_of_sweep(SWEEP_FAILED if printed else _bug(err))
-    known = failure_line(err)
-    if known is None:
-        known = hydra_error_line(err, conf_dir, argv)
+    known = _known_line(err, conf_dir, argv)
     if known is None:
         return _bug(err)
     print(known[1], file=sys.stderr)
     return known[0]
 
 
+def _known_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[int, str] | None:
+    """(exit code, one line) for an error halfprec or Hydra explains; None for a bug."""
+    return failure_line(err) or hydra_error_line(err, conf_dir, argv)
+
+
 def _launch_failed(err: Exception, conf_dir: Path, argv: list[str]) -> int:
     """A multirun that stopped between jobs (the next job's config did not compose: a conf/ file
     edited while the sweep ran, say): its error, and that the jobs after the recorded ones did not run."""
-    known = failure_line(err) or hydra_error_line(err, conf_dir, argv)
+    known = _known_line(err, conf_dir, argv)
     if known is None:
         return _end_of_sweep(_bug(err))
     print(f"{known[1]}; the sweep stopped: the jobs after those recorded did not run", file=sys.stderr)

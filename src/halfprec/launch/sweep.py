@@ -86,7 +86,7 @@ class SweepRecord(Callback):
             err = TrainingAborted(summary.get("error", "diverged"))
         known = failure_line(err) if err is not None else None
         if err is not None:
-            line["error"] = f"{type(err).__name__}: {err}"
+            line["error"] = sweep_log.error_text(err)
             line["message"] = sweep_log.failure_message(line, known[1] if known else line["error"])
         sweep_log.append(Path(hydra.sweep.dir) / "sweep.jsonl", line)
         if err is not None and os.getpid() == self._sweep_pid:

@@ -52,10 +52,15 @@ def jobs_recorded() -> bool:
     return launched is not None and bool(read_lines(launched))
 
 
+def error_text(err: BaseException) -> str:
+    """A job's error as its sweep.jsonl line records it ("error")."""
+    return f"{type(err).__name__}: {err}"
+
+
 def records_error(err: BaseException) -> bool:
-    """Whether a job's line holds this error (as the callback wrote it): False for one raised while a
-    job was being launched (Hydra composing its config), which no job line records."""
-    text = f"{type(err).__name__}: {err}"
+    """Whether a job's line holds this error: False for one raised while a job was being launched
+    (Hydra composing its config), which no job line records."""
+    text = error_text(err)
     return launched is not None and any(line.get("error") == text for line in read_lines(launched).values())
 
 

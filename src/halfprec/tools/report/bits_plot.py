@@ -5,6 +5,7 @@ per configuration of the other overrides (task=classification, task=lm)."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from halfprec.tools.report.groups import COUNTED, group_jobs, shown_overrides
@@ -57,10 +58,10 @@ def bits_figure(jobs: list[Job], metric: str) -> Any | None:
 def spread(points: dict[Any, tuple[float, list[float]]], step: float = 0.08) -> list[float]:
     """Each point's x: its bits, formats of equal bits side by side `step` apart (five 8-bit ones
     would otherwise draw their error bars over each other)."""
-    same = [sum(b == bits for b, _ in points.values()) for bits, _ in points.values()]
-    seen: dict[float, int] = {}
+    total = Counter(bits for bits, _ in points.values())
+    placed: Counter[float] = Counter()
     xs = []
-    for (bits, _), n in zip(points.values(), same, strict=True):
-        k = seen[bits] = seen.get(bits, -1) + 1
-        xs.append(bits + (k - (n - 1) / 2) * step)
+    for bits, _ in points.values():
+        xs.append(bits + (placed[bits] - (total[bits] - 1) / 2) * step)
+        placed[bits] += 1
     return xs
