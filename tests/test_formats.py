@@ -25,7 +25,31 @@ def test_the_element_grids_are_those_of_the_definitions():
     e4m3 = ELEMENTS["e4m3"].grid
     assert (e4m3[1].item(), e4m3[8].item(), e4m3[-1].item()) == (2**-9, 2**-6, 448.0)  # subnormal, normal, max
     assert ELEMENTS["e5m2"].grid[-1].item() == 57344.0
-    assert {name: e.emax for name, e in ELEMENTS.items()} == {"e2m1": 2, "e2m3": 2, "e3m2": 4, "e4m3": 8, "e5m2": 15}
+    emax = {"e2m1": 2, "e2m3": 2, "e3m2": 4, "e4m3": 8, "e5m2": 15, "int8": 0}  # INT8: 127/64 < 2 = 2^1
+    assert {name: e.emax for name, e in ELEMENTS.items()} == emax
+
+
+def test_the_int8_grid_is_k_over_64_for_k_in_minus_127_to_127():
+    int8 = ELEMENTS["int8"]
+    assert torch.equal(int8.grid, torch.arange(128) / 64)  # 0, 1/64, ..., 127/64: one step, 2^-6, throughout
+    assert (int8.grid[1].item(), int8.grid[-1].item(), int8.bits) == (0.015625, 1.984375, 8)
+    signed = torch.cat([-int8.grid, int8.grid]).unique()  # -0 and 0 are one value
+    assert len(signed) == 255 and signed[0].item() == -1.984375  # symmetric: -2 (code -128) is not used
+    assert int8.nearest(torch.tensor([-2.0, -1.99])).tolist() == [-1.984375, -1.984375]
+
+
+def test_int8_rounds_to_the_nearest_multiple_of_1_64_with_ties_to_even():
+    """The arithmetic (a constant spacing below 2^emin) against the definition: of the 255 values
+    k/64, the nearest, a tie going to the even k."""
+    int8, codes = ELEMENTS["int8"], torch.arange(-127, 128)
+    mids = (torch.arange(-127, 127) + 0.5) / 64
+    wide = torch.empty(5000).uniform_(-2.5, 2.5, generator=torch.Generator().manual_seed(0))
+    x = torch.cat([codes / 64, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), wide])
+    distance = (x[:, None] - codes / 64).abs()
+    nearest = distance == distance.min(dim=1, keepdim=True).values  # one code, or two at a tie
+    pick = torch.where((nearest & (codes % 2 == 0)).any(dim=1, keepdim=True), nearest & (codes % 2 == 0), nearest)
+    expected = codes[pick.int().argmax(dim=1)] / 64
+    assert torch.equal(int8.nearest(x.clone()), expected)
 
 
 def test_bits_per_value_count_the_block_scales():
@@ -33,6 +57,7 @@ def test_bits_per_value_count_the_block_scales():
     assert (bits["mxfp8"], bits["mxfp6_e2m3"], bits["mxfp4"], bits["nvfp4"], bits["fp8_block"]) == (
         8.25, 6.25, 4.25, 4.5, 8.25,
     )  # fmt: skip
+    assert bits["mxint8"] == 8 + 8 / 32  # an INT8 per value, an E8M0 per 32
 
 
 def test_mxfp4_rounds_to_the_nearest_e2m1_value_with_ties_to_even():
@@ -80,6 +105,24 @@ def test_a_blocks_e8m0_scale_comes_from_its_amax(values, floor, rceil):
     assert fake_quantize(x, "mxfp4", scale_rule="rceil")[: len(values)].tolist() == rceil
 
 
+def test_mxint8_rounds_each_value_to_a_multiple_of_its_blocks_scale_over_64():
+    # amax 3: scale 2^(floor(log2 3) - 0) = 2, so the values are k/64 * 2 = k/32
+    x = block(3.0, -1.0, 0.1, 1 / 3, 2.5 / 32, -2.5 / 32, 3.5 / 32)
+    # 3 -> k 96 and -1 -> k -32, exact; 0.1 * 32 = 3.2 -> 3; (1/3) * 32 = 10.67 -> 11;
+    # the ties 2.5 and -2.5 go to the even 2 and -2 (away from zero would give 3), 3.5 to 4
+    expected = block(3.0, -1.0, 3 / 32, 11 / 32, 2 / 32, -2 / 32, 4 / 32)
+    assert torch.equal(fake_quantize(x, "mxint8"), expected)
+
+
+def test_mxint8_saturates_at_127_64_times_the_scale():
+    # amax 3.99: floor(log2 3.99) = 1, scale 2; 3.99 / 2 * 64 = 127.68 -> 128, past the largest code:
+    # 127 * 2/64 = 3.96875, either sign (-128, -2 * scale, is not used); 1 / 2 * 64 = 32 is exact
+    x = block(3.99, -3.99, 1.0)
+    assert fake_quantize(x, "mxint8")[:3].tolist() == [3.96875, -3.96875, 1.0]
+    # rceil: 2^ceil(log2(3.99 / (127/64))) = 2^ceil(1.008) = 4, so 3.99 / 4 * 64 = 63.84 -> 64: 4.0
+    assert fake_quantize(x, "mxint8", scale_rule="rceil")[:3].tolist() == [4.0, -4.0, 1.0]
+
+
 def test_each_block_has_its_own_scale_and_blocks_run_along_the_axis():
     x = torch.cat([block(6.0, 1.25), block(0.75, 0.3)])  # the second block: scale 1/8, 0.3 -> 2.4 -> 2
     assert fake_quantize(x, "mxfp4")[[0, 1, 32, 33]].tolist() == [6.0, 1.0, 0.75, 0.25]
@@ -123,6 +166,7 @@ def test_square_blocks_give_a_weight_the_same_values_whichever_axis_a_gemm_contr
 def test_zero_blocks_subnormals_and_saturation():
     assert torch.equal(fake_quantize(torch.zeros(64), "mxfp8"), torch.zeros(64))
     assert torch.equal(fake_quantize(torch.zeros(32), "nvfp4"), torch.zeros(32))
+    assert torch.equal(fake_quantize(torch.zeros(64), "mxint8"), torch.zeros(64))
     tiny = 2.0**-130  # an fp32 subnormal: E8M0's smallest scale 2^-127 takes it to 1/8, exact in E4M3
     assert fake_quantize(block(tiny), "mxfp8")[0].item() == tiny
     assert fake_quantize(block(6.0, 0.5), "mxfp4")[1].item() == 0.5  # E2M1's subnormal
@@ -132,22 +176,30 @@ def test_zero_blocks_subnormals_and_saturation():
 def test_a_block_with_inf_or_nan_is_nan_and_the_others_are_untouched():
     for bad in (math.inf, -math.inf, math.nan):
         x = torch.cat([block(1.0, bad), block(1.0, 0.5)])
-        for name in ("mxfp4", "mxfp8", "nvfp4", "fp8_e4m3_row"):
+        for name in ("mxfp4", "mxfp8", "mxint8", "nvfp4", "fp8_e4m3_row"):
             q = fake_quantize(x.reshape(2, 32), name)
             span = 16 if name == "nvfp4" else 32  # the values that share the bad one's scale
             assert q[0, :span].isnan().all() and not q[0, span:].isnan().any(), (name, bad)
             assert q[1, :2].tolist() == [1.0, 0.5], (name, bad)
 
 
-def test_stochastic_rounding_is_unbiased_seeded_and_lands_on_neighbours():
-    x = block(6.0, *[0.3] * 31).repeat(4000, 1)  # 0.3 lies between 0 and 0.5: up with probability 0.6
-    q = fake_quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize(
+    "name, top, lo, hi",
+    [
+        ("mxfp4", 6.0, 0.0, 0.5),  # amax 6: scale 1; 0.3 lies between 0 and 0.5: up with probability 0.6
+        ("mxint8", 1.0, 19 / 64, 20 / 64),  # amax 1: scale 2^(0 - 0) = 1; 0.3 * 64 = 19.2: up with probability 0.2
+    ],
+)
+def test_stochastic_rounding_is_unbiased_seeded_and_lands_on_neighbours(name, top, lo, hi):
+    x = block(top, *[0.3] * 31).repeat(4000, 1)
+    q = fake_quantize(x, name, rounding="stochastic", generator=torch.Generator().manual_seed(0))
     values = q[:, 1:]
-    assert set(values.unique().tolist()) == {0.0, 0.5}
-    n, sigma = values.numel(), 0.5 * math.sqrt(0.6 * 0.4)
+    assert set(values.unique().tolist()) == {lo, hi}
+    p = (0.3 - lo) / (hi - lo)
+    n, sigma = values.numel(), (hi - lo) * math.sqrt(p * (1 - p))
     assert abs(values.mean().item() - 0.3) < 3 * sigma / math.sqrt(n)
-    again = fake_quantize(x, "mxfp4", rounding="stochastic", generator=torch.Generator().manual_seed(0))
-    assert torch.equal(q, again) and torch.equal(q[:, 0], torch.full((4000,), 6.0))  # grid values stay
+    again = fake_quantize(x, name, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(q, again) and torch.equal(q[:, 0], torch.full((4000,), top))  # grid values stay
 
 
 def test_stochastic_rounding_is_unbiased_over_random_values():

@@ -38,7 +38,7 @@ class Format:
 
     @property
     def bits(self) -> float:
-        """Bits per value, the block scales included (MXFP8 8.25, MXFP4 4.25, NVFP4 4.5)."""
+        """Bits per value, the block scales included (MXFP8 and MXINT8 8.25, MXFP4 4.25, NVFP4 4.5)."""
         per_block = SCALE_BITS[self.scale] / self.block if isinstance(self.block, int) else 0.0
         return self.element.bits + per_block
 
@@ -57,6 +57,7 @@ FORMATS = {
         Format("mxfp6_e2m3", E["e2m3"], 32, "e8m0"),
         Format("mxfp6_e3m2", E["e3m2"], 32, "e8m0"),
         Format("mxfp4", E["e2m1"], 32, "e8m0"),
+        Format("mxint8", E["int8"], 32, "e8m0"),  # OCP MX v1.0's integer format: k/64, k in -127..127
         Format("nvfp4", E["e2m1"], 16, "nvfp4", tile=16),  # NVIDIA's: weights 16x16 in its recipe
     )
 }

@@ -1,7 +1,9 @@
 """Element types: small floats with `ebits` exponent and `mbits` mantissa bits, subnormals, no
-infinity, and a largest value past which a cast saturates. Rounding onto them: to nearest with ties
-to even (by arithmetic, equal bit for bit to torch's float8 casts and torchao's 4- and 6-bit ones),
-or stochastic (by hand: no library rounds stochastically onto these grids)."""
+infinity, and a largest value past which a cast saturates; with no exponent bits, fixed-point
+integers (OCP MX's INT8: k/64, every value a "subnormal", one spacing over the whole range).
+Rounding onto them: to nearest with ties to even (by arithmetic, equal bit for bit to torch's float8
+casts and torchao's 4- and 6-bit ones), or stochastic (by hand: no library rounds stochastically
+onto these grids)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ import torch
 
 @dataclass(frozen=True)
 class Element:
+    """A float element, or with `ebits=0` an integer one: a sign and `mbits` magnitude bits read as
+    a subnormal, m * 2^(emin - mbits) with bias 0 and emin 1, i.e. a fixed-point number with one
+    integer bit (INT8, mbits 7: m/64). The float arithmetic below then holds unchanged: below 2^emin
+    the spacing is the constant 2^(emin - mbits), and everything above saturates."""
+
     name: str
     ebits: int
     mbits: int
@@ -20,11 +27,13 @@ class Element:
 
     @property
     def bias(self) -> int:
-        return 2 ** (self.ebits - 1) - 1
+        # 2^(ebits-1) - 1 would be -1/2 without exponent bits; 0 puts an integer's top bit at 2^0
+        return 2 ** (self.ebits - 1) - 1 if self.ebits else 0
 
     @property
     def emax(self) -> int:
-        """The exponent of the largest power of two it holds: OCP MX's emax (E2M1 2, E4M3 8, E5M2 15)."""
+        """The exponent of the largest power of two it holds: OCP MX's emax (E2M1 2, E4M3 8, E5M2 15,
+        INT8 0: its max 127/64 is below 2)."""
         return int(self.max).bit_length() - 1 if self.max >= 1 else 0
 
     @property
@@ -33,7 +42,8 @@ class Element:
 
     @cached_property
     def grid(self) -> torch.Tensor:
-        """Every non-negative value, ascending, in fp32 (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+        """Every non-negative value, ascending, in fp32 (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6; INT8: k/64,
+        k = 0..127, 128 values: the negative ones mirror them, -2 = -128/64 is not used)."""
         values = set()
         for e in range(2**self.ebits):
             for m in range(2**self.mbits):
@@ -45,14 +55,16 @@ class Element:
 
     @property
     def emin(self) -> int:
-        """The exponent of the smallest normal value (E2M1: 0, E4M3: -6)."""
+        """The exponent of the smallest normal value (E2M1: 0, E4M3: -6); an integer element has no
+        normals, and 1 places its values m * 2^(1 - mbits) (INT8: m/64)."""
         return 1 - self.bias
 
     def spacing(self, x: torch.Tensor) -> torch.Tensor:
         """The gap between neighbouring values around `x` (fp32; finite, or the result is inf or
         NaN): a power of two, 2^(exponent - mbits), the exponent held at emin below the normals
-        (subnormals). The power of two below |x| is x's fp32 exponent field alone (sign and
-        mantissa masked off): one integer op where frexp and exp2 were two slow float ones."""
+        (subnormals; an integer element's whole range: INT8's 2^-6). The power of two below |x| is
+        x's fp32 exponent field alone (sign and mantissa masked off): one integer op where frexp and
+        exp2 were two slow float ones."""
         power = (x.view(torch.int32) & 0x7F800000).view(torch.float32)
         return power.clamp_(min=2.0**self.emin).mul_(2.0**-self.mbits)
 
@@ -90,4 +102,11 @@ ELEMENTS = {
     "e3m2": Element("e3m2", 3, 2, 28.0),
     "e4m3": Element("e4m3", 4, 3, 448.0),
     "e5m2": Element("e5m2", 5, 2, 57344.0),
+    # OCP MX v1.0's INT8: two's complement with an implicit scale 2^-6, the code -128 (-2.0) unused,
+    # so a symmetric grid of 255 values k/64, k in -127..127: the values of a sign and 7 magnitude bits.
+    # Rounding: ties to even, as for the floats here (torch.round on k). The spec's conversion
+    # (section 6.3) requires roundTiesToEven to be supported and allows other rules; microxcaling,
+    # its reference code, rounds "nearest" by floor(|x| + 1/2), ties away from zero, with "even" as
+    # an option. The two differ only at exact ties k + 1/2, where ties to even is unbiased.
+    "int8": Element("int8", 0, 7, 127 / 64),
 }

@@ -1,8 +1,9 @@
 """Block scales: the number a block's values are divided by before their elements are rounded.
 
 - E8M0 (the MX formats): a power of two, 2^-127..2^127. OCP MX v1.0 takes
-  2^(floor(log2(amax)) - emax) ("floor": the block's largest value may then saturate to the
-  element's max); cuBLAS and torchao's RCEIL take 2^ceil(log2(amax / max)), so nothing saturates.
+  2^(floor(log2(amax)) - emax), emax the element's (INT8's 0) ("floor": the block's largest value
+  may then saturate to the element's max); cuBLAS and torchao's RCEIL take
+  2^ceil(log2(amax / max)), so nothing saturates.
   Exponents come from frexp, exact where a float log2 can round the wrong way near a power of two.
 - fp32: amax / max (the fp8 recipes: per tensor, per row, DeepSeek-V3's 1x128 and 128x128 blocks).
 - NVFP4's two levels: one fp32 scale for the tensor, amax(tensor) / (6 * 448), and per block
