@@ -841,3 +841,104 @@ def test_a_sweep_over_formats_plots_val_loss_against_bits_per_value(tmp_path):
     assert spread(same, step=0.1) == pytest.approx([7.9, 4.25, 8.0, 8.1])
     plain = find_jobs(write_sweep(tmp_path / "lr", [FakeJob({"optim.lr": "0.1"}, decay(0.5))] * 2))
     assert bits_figure(plain, "train/loss") is None  # no format swept: no plot
+
+
+def assert_inside(fig: Any, ax: Any) -> None:
+    """The axes' title, once the figure is laid out, lies inside the figure and above its axes alone
+    (not over the legend beside them)."""
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    title, axes = ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert 0 <= title.x0 and title.x1 <= fig.bbox.width and 0 <= title.y0 and title.y1 <= fig.bbox.height
+    assert axes.x0 - 1 <= title.x0 and title.x1 <= axes.x1 + 1, (title, axes)
+
+
+def test_a_long_title_is_wrapped_to_fit_above_its_plot(tmp_path):
+    """quant_err.png's title ran off the figure's left edge: a constrained layout makes room above the
+    axes for a title, not beside them. A sweep with long overrides: a long title, a wide legend."""
+    from halfprec.tools.report.quant import QUANT_MAX, QUANT_MEAN, quant_err_title
+
+    jobs = [
+        quant_job({"precision.recipe.stochastic_rounding": sr, "precision.recipe.hadamard_block": h}, 1.0)
+        for sr in ("false", "true")
+        for h in ("16", "32")
+    ]
+    found = find_jobs(write_sweep(tmp_path / "sweep", jobs))
+    title = quant_err_title("2026-12-03/08-09-58.123456")  # the sweep's date and time, as write_report has it
+    fig = line_figure(found, QUANT_MEAN, title, whole=True, dashed_key=QUANT_MAX)
+    ax = fig.axes[0]
+    shown = ax.get_title()
+    assert "\n" in shown and shown.split() == title.split()  # wrapped between words, every word kept
+    assert "2026-12-03/08-09-58.123456" in shown  # not broken at its hyphens
+    assert_inside(fig, ax)
+    # a word longer than the room (a path of overrides, no spaces) is broken: it fits all the same
+    title = quant_err_title("multirun/2026-12-03/08-09-58.123456_precision.recipe.stochastic_rounding=true,false")
+    fig = line_figure(found, QUANT_MEAN, title, whole=True, dashed_key=QUANT_MAX)
+    assert "".join(fig.axes[0].get_title().split()) == "".join(title.split())
+    assert_inside(fig, fig.axes[0])
+    short = line_figure(found, QUANT_MEAN, "train/loss: 2026-12-03/08-09-58.123456")
+    assert short.axes[0].get_title() == "train/loss: 2026-12-03/08-09-58.123456"  # a title that fits: one line
+
+
+def bits_panel(tmp_path: Path, seeds: dict[str, int]) -> Any:
+    """bits.png's one panel for a sweep of formats, each run with seeds 0 to seeds[format] - 1."""
+    from halfprec.tools.report.bits_plot import bits_figure
+
+    fakes = [
+        FakeJob({"precision.format": fmt, "seed": str(s)}, decay(0.5 + s / 10, s))
+        for fmt, n in seeds.items()
+        for s in range(n)
+    ]
+    fig = bits_figure(find_jobs(write_sweep(tmp_path / "_".join(map(str, seeds.values())), fakes)), "val/loss")
+    (ax,) = fig.axes
+    assert_inside(fig, ax)
+    return ax
+
+
+def test_the_bits_plot_says_how_many_seeds_each_point_is_and_bars_only_several(tmp_path):
+    """A sweep of one seed per format said "mean ± std over seeds" and drew no bar: its title says one
+    seed each; over several, the mean ± std over how many (their range when they differ), barred."""
+
+    def title_and_bars(seeds: dict[str, int]) -> tuple[str, list[bool]]:
+        ax = bits_panel(tmp_path, seeds)
+        return " ".join(ax.get_title().split()), [container.has_yerr for container in ax.containers]
+
+    title, bars = title_and_bars({"mxfp4": 1, "nvfp4": 1, "fp8_e4m3": 1})
+    assert title == "the sweep: final val/loss, one seed each" and bars == [False] * 3
+    title, bars = title_and_bars({"mxfp4": 2, "nvfp4": 2})
+    assert title == "the sweep: final val/loss, mean ± std over 2 seeds" and bars == [True, True]
+    title, bars = title_and_bars({"mxfp4": 3, "nvfp4": 2})
+    assert title.endswith("mean ± std over 2-3 seeds") and bars == [True, True]
+    title, bars = title_and_bars({"mxfp4": 3, "nvfp4": 1})
+    assert title.endswith("mean ± std over 1-3 seeds (no error bar: one seed)") and bars == [True, False]
+
+
+def logit_job(overrides: dict[str, str], attention: bool) -> FakeJob:
+    """A job with diagnostics=grads at rows 0, 10 and 20: log Z of its output, as every model logs it,
+    and with `attention` its attention layers' largest logits, as a transformer (the GPT) logs them."""
+    extra = {}
+    for i in (0, 10, 20):
+        row = {"diag/output_logz": 2.0 + i / 10, "diag/output_logz_max": 3.0 + i / 10}
+        if attention:
+            layers = {"attn_logit_max/blocks.0.attn": 5.0 + i, "attn_logit_max/blocks.1.attn": 6.0 + i}
+            row.update({**layers, "diag/attn_logit_max": max(layers.values())})
+        extra[i] = row
+    return FakeJob(overrides, decay(0.2), extra=extra)
+
+
+def test_logit_plots_are_written_for_transformers_alone(tmp_path, capsys):
+    """A plain MLP logs its output's log Z too; logz.png, which the help promises for a transformer
+    with diagnostics=grads, is written only for jobs that also logged attention logits."""
+    mlp = [logit_job({"optim.lr": lr}, attention=False) for lr in ("1e-3", "1e-2")]
+    assert write_report(write_sweep(tmp_path / "mlp", mlp), tmp_path / "mlp_out") == 0
+    text = capsys.readouterr().out
+    assert not (tmp_path / "mlp_out" / "logz.png").exists() and not (tmp_path / "mlp_out" / "attn_logits.png").exists()
+    assert "logz" not in text and "attn_logits" not in text
+    assert (tmp_path / "mlp_out" / "loss.png").is_file()
+
+    gpt = [logit_job({"task": "lm", "optim.lr": lr}, attention=True) for lr in ("1e-3", "1e-2")]
+    assert write_report(write_sweep(tmp_path / "gpt", gpt), tmp_path / "gpt_out") == 0
+    text = capsys.readouterr().out
+    for name in ("attn_logits.png", "logz.png"):
+        assert_png(tmp_path / "gpt_out" / name)
+        assert f"![{name[:-4]}]({name})" in text

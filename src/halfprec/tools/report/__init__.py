@@ -34,7 +34,7 @@ from pathlib import Path
 
 from halfprec.metrics import TRAIN_LOSS, VAL_LOSS
 from halfprec.tools.report.bits_plot import bits_figure
-from halfprec.tools.report.plots import LOGIT_PLOTS, has_scaler, plot_lines
+from halfprec.tools.report.plots import has_scaler, plot_lines, write_logit_plots
 from halfprec.tools.report.quant import write_quant_plots
 from halfprec.tools.report.runs import ReportError, find_jobs
 from halfprec.tools.report.sensitivity import write_sensitivity_plots
@@ -83,9 +83,7 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     if bits is not None:
         bits.savefig(out / "bits.png", dpi=100)
         images.append(out / "bits.png")
-    for key, name, title in LOGIT_PLOTS:  # diagnostics=grads on a transformer: where instabilities show first
-        if plot_lines(jobs, key, f"{title}: {where}", out / name, whole=True):  # the growth is the point
-            images.append(out / name)
+    images += write_logit_plots(jobs, out, where)  # diagnostics=grads on a transformer (not on a plain MLP)
     quant_images, notes = write_quant_plots(jobs, out, where)  # an emulated number format with diagnostics=grads
     images += quant_images
     images += write_sensitivity_plots(jobs, out)  # the runs `halfprec sensitivity` measured

@@ -13,9 +13,13 @@ from halfprec.tools.report.offchart import mark_off_chart
 from halfprec.tools.report.runs import Job
 from halfprec.tools.report.yaxis import band_edges, beyond, extent, y_range
 
-# Plots made when a job logged the key (diagnostics=grads): (key, file, title).
+# Plots of a transformer's diagnostics (diagnostics=grads): (key, file, title). Only jobs whose
+# attention layers logged their logits (attn_logit_max/<layer>, their largest as ATTN_KEY) get them:
+# a plain classifier logs its output's log Z too, but these are the instabilities of large-lr
+# transformers (Dehghani et al. 2023; Chowdhery et al. 2022), and the report's help promises them for those.
+ATTN_KEY, ATTN_PREFIX = "diag/attn_logit_max", "attn_logit_max/"
 LOGIT_PLOTS = (
-    ("diag/attn_logit_max", "attn_logits.png", "largest attention logit"),
+    (ATTN_KEY, "attn_logits.png", "largest attention logit"),
     ("diag/output_logz", "logz.png", "output logits' log Z (mean)"),
 )
 
@@ -23,6 +27,29 @@ LOGIT_PLOTS = (
 def has_scaler(job: Job) -> bool:
     """A loss scaler shows as a scale other than 1.0 (scaler=none logs 1.0 throughout)."""
     return any(row.get("scaler/scale", 1.0) != 1.0 for row in job.rows)
+
+
+def wrap_lines(text: str, width: int) -> str:
+    """Each line of `text` wrapped to `width` characters; its own line breaks kept (textwrap.fill
+    alone would join them). Not at hyphens: a date (2026-12-03) or a range (1-3 seeds) stays whole."""
+    return "\n".join(textwrap.fill(line, width, break_on_hyphens=False) for line in text.splitlines())
+
+
+def fit_title(ax: Any, title: str, fontsize: str = "large") -> None:
+    """Set the axes' title, wrapped to the axes' width. A constrained layout makes room above the axes
+    for a title but not beside them: a centred title wider than its axes (a long sweep path, a panel
+    named by its overrides) ran off the figure's left edge. The width left by the legend and the tick
+    labels is known only once the figure is laid out, so it is laid out once (no pixels drawn) first."""
+    fig = ax.get_figure()
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    room = ax.get_window_extent(renderer).width
+    text = ax.set_title(title, fontsize=fontsize)
+    width = max(map(len, title.splitlines()), default=0)
+    # fewer characters a line until it fits (10 at least: a word longer than a line is broken)
+    while text.get_window_extent(renderer).width > room and width > 10:
+        width -= 1
+        text.set_text(wrap_lines(title, width))
 
 
 def stack_coinciding(lines: list[Line], scale: str, bottom: float, top: float) -> None:
@@ -93,7 +120,7 @@ def line_figure(
         legend_title += "\n(log axis: a band's lower edge stops at the lowest seed)"
     stack_coinciding(lines, scale, bottom, top)
     # the legend grows with the lines (and their wrapped labels); the figure grows with it
-    label_rows = sum(1 + len(line.label) // 52 for line in lines if not line.label.startswith("_")) + 2
+    label_rows = sum(len(textwrap.wrap(line.label, 52)) for line in lines if not line.label.startswith("_")) + 2
     # a bare Figure on the Agg canvas: no pyplot state, no display needed (headless machines, tests)
     fig = Figure(figsize=(11, min(max(5.0, 0.2 * label_rows + 1.0), 30.0)), layout="constrained")
     FigureCanvasAgg(fig)
@@ -111,7 +138,6 @@ def line_figure(
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even on short runs
     ax.set_xlabel("step (optimizer steps)")
     ax.set_ylabel(key + (" (log2)" if log2_y else ""))
-    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(
         handles,
@@ -124,6 +150,7 @@ def line_figure(
         alignment="left",
         handlelength=3,  # long enough to show a dash pattern
     )
+    fit_title(ax, title)  # last: the legend sets how much width the axes have
     return fig
 
 
@@ -142,3 +169,20 @@ def plot_lines(
         return False
     fig.savefig(path, dpi=100)
     return True
+
+
+def has_attention(job: Job) -> bool:
+    """Whether the job's attention layers logged their logits: a transformer with diagnostics=grads."""
+    return any(key == ATTN_KEY or key.startswith(ATTN_PREFIX) for row in job.rows for key in row)
+
+
+def write_logit_plots(jobs: list[Job], out: Path, where: str) -> list[Path]:
+    """attn_logits.png and logz.png of the transformers among the jobs (see LOGIT_PLOTS); those written."""
+    transformers = [job for job in jobs if has_attention(job)]
+    if not transformers:
+        return []
+    images = []
+    for key, name, title in LOGIT_PLOTS:  # where instabilities show first; whole: the growth is the point
+        if plot_lines(transformers, key, f"{title}: {where}", out / name, whole=True):
+            images.append(out / name)
+    return images

@@ -126,12 +126,17 @@ def write_heatmaps(jobs: list[Job], out: Path) -> tuple[list[Path], list[str]]:
     ]
 
 
+def quant_err_title(where: str) -> str:
+    """quant_err.png's title (line_figure wraps it to the plot's width)."""
+    return f"quantization relative error, mean over layers and operands (dashed: the largest): {where}"
+
+
 def write_quant_plots(jobs: list[Job], out: Path, where: str) -> tuple[list[Path], list[str]]:
     """quant_err.png (when a job logged the statistics) and the heatmaps, and report.md's line naming
     the jobs left out of them. How much each format loses, step by step (whole: a format whose error
     is far above the others' is the finding), then where in the model."""
     images = []
-    title = f"quantization relative error, mean over layers and operands (dashed: the largest): {where}"
+    title = quant_err_title(where)
     if plot_lines(jobs, QUANT_MEAN, title, out / "quant_err.png", whole=True, dashed_key=QUANT_MAX):
         images.append(out / "quant_err.png")
     heatmaps, notes = write_heatmaps(jobs, out)
