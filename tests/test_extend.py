@@ -175,3 +175,61 @@ def test_a_task_and_a_dataset_that_do_not_fit_are_one_line(fork):
         "error: data=digits: gives class labels and task=regression learns from values: no registered dataset "
         "gives them, or task=classification"
     )
+
+
+# An optimizer: a class anywhere importable (here a module in numerics/) and a YAML with the keys
+# every optim config has (config/schema.py, Optim) beside the class's own arguments.
+MY_OPTIMIZER = '''"""Lion (Chen et al. 2023): one momentum buffer per parameter, a sign update."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Lion(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(momentum.lerp(p.grad, 1 - beta1).sign_(), alpha=-group["lr"])
+                momentum.lerp_(p.grad, 1 - beta2)
+'''
+
+MY_OPTIMIZER_YAML = """# Lion: sign updates, one momentum buffer per parameter (src/halfprec/numerics/lion.py)
+_target_: halfprec.numerics.lion.Lion
+lr: 0.0001
+betas: [0.9, 0.99]
+weight_decay: 0.1
+clip_grad_norm: null
+no_decay: [low_dim]
+state_dtype: float32
+state_rounding: nearest
+"""
+
+
+def test_an_optimizer_is_a_class_plus_a_yaml_and_its_memory_is_measured(fork, tmp_path):
+    (fork / "src" / "halfprec" / "numerics" / "lion.py").write_text(MY_OPTIMIZER)
+    (fork / "conf" / "optim" / "lion.yaml").write_text(MY_OPTIMIZER_YAML)
+    # The memory benchmark has no rule for Lion: estimate_memory measures its state after one step.
+    # Pure bf16: the state is that of the fp32 upcasts the optimizer steps, one fp32 momentum each.
+    # It runs beside the training run: each is mostly an interpreter importing torch.
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "PYTHONPATH": str(fork / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(fork / "benchmarks" / "memory.py"), "--device", "cpu", "--models", "mlp-small"]
+    cmd += ["--precisions", "bf16_pure", "--override", "optim=lion", "--steps", "2", "--json", str(out)]
+    with subprocess.Popen(cmd, cwd=fork, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as bench:
+        result = train(fork, "optim=lion", "model.hidden=[32]", "hydra.run.dir=runs/optim")
+        _, bench_err = bench.communicate(timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((fork / "runs" / "optim" / "summary.json").read_text())["status"] == "completed"
+    assert bench.returncode == 0, bench_err[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["per_param"]["optimizer_state"] == 4  # bytes per parameter

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -148,16 +149,99 @@ def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_unknown_optimizer_is_reported_not_guessed():
-    c, _ = build_from("precision=fp32", "model.hidden=[32]")
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023) by hand, a class estimate_memory has no rule for: one momentum buffer
+    per parameter, in the parameter's dtype, and the sign of an interpolation as the update."""
 
-    class MySGD(torch.optim.SGD):  # a subclass may keep more state than its parent
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(momentum.lerp(p.grad, 1 - beta1).sign_(), alpha=-group["lr"])
+                momentum.lerp_(p.grad, 1 - beta2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure", "bf16_pure_master"])
+def test_an_optimizer_without_a_rule_is_measured_after_one_step(precision):
+    # two groups (decay, no_decay): the copy keeps each group's settings
+    c, _ = build_from(f"precision={precision}", "optim=adamw")
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in c.optimizer.param_groups]
+    assert len(groups) == 2
+    estimate = estimate_memory(dataclasses.replace(c, optimizer=Lion(groups)), batch(16))
+    # one fp32 momentum per parameter, whatever the weights' dtype: pure bf16 modes step fp32 upcasts
+    assert estimate.optimizer_state == FP32 * N
+
+
+def test_other_classes_and_subclasses_of_known_ones_are_measured():
+    c, _ = build_from("precision=fp32", "model.hidden=[32]")
+    n, tensors = 64 * 32 + 32 + 32 * 10 + 10, 4
+
+    class MySGD(torch.optim.SGD):  # a subclass may keep more state than its parent: no rule for it
         pass
 
-    for optimizer in (torch.optim.RMSprop(c.params.params), MySGD(c.params.params, lr=0.1)):
-        name = type(optimizer).__name__
-        with pytest.raises(UnknownOptimizer, match=rf"no memory rule for .*{name}.*known: SGD, Adam, AdamW"):
-            estimate_memory(dataclasses.replace(c, optimizer=optimizer), batch(8))
+    for optimizer, expected in [
+        (torch.optim.RMSprop(c.params.params), FP32 * n + tensors * 4),  # square_avg, a float32 step count
+        (MySGD(c.params.params, lr=0.1, momentum=0.9), FP32 * n),  # the momentum buffer
+        (MySGD(c.params.params, lr=0.1), 0),  # no momentum, no state
+    ]:
+        assert optimizer_state_bytes(optimizer, c.params, c.device) == expected, type(optimizer)
+
+
+def test_the_measurement_leaves_the_run_as_it_was_and_frees_its_copies():
+    c, _ = build_from("precision=fp32", "model.hidden=[32]")
+    stepped = []  # weak references to what the measuring step saw: the copies, their gradients and state
+
+    class NoisyLion(Lion):  # draws random numbers, as stochastic rounding would
+        def step(self, closure=None):
+            super().step(closure)
+            torch.rand(())
+            for p, state in self.state.items():
+                stepped.extend(weakref.ref(t) for t in (p, p.grad, state["momentum"]))
+
+    optimizer = NoisyLion(c.params.params)
+    weights = [p.detach().clone() for p in c.model.parameters()]
+    rng = torch.get_rng_state()
+    assert optimizer_state_bytes(optimizer, c.params, c.device) == FP32 * (64 * 32 + 32 + 32 * 10 + 10)
+    assert not optimizer.state and all(p.grad is None for p in c.model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(c.model.parameters(), weights))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(stepped) == 3 * 4 and all(ref() is None for ref in stepped)  # freed on return, without gc
+
+
+class Broken(Lion):
+    def step(self, closure=None):
+        raise RuntimeError("no step today\nthe traceback goes on")
+
+
+class NeedsClosure(Lion):
+    def step(self, closure):  # as LBFGS: the loss is recomputed inside the step
+        return closure()
+
+
+@pytest.mark.parametrize(
+    "optimizer, why",
+    [
+        (Broken, "one step on zero gradients raised RuntimeError: no step today ("),
+        (NeedsClosure, "one step on zero gradients raised TypeError: NeedsClosure.step() missing 1 required"),
+    ],
+)
+def test_an_optimizer_that_cannot_step_is_reported_in_one_line(optimizer, why):
+    c, _ = build_from("precision=fp32", "model.hidden=[32]")
+    optimizer = optimizer(c.params.params)
+    with pytest.raises(UnknownOptimizer) as raised:
+        estimate_memory(dataclasses.replace(c, optimizer=optimizer), batch(8))
+    (line,) = str(raised.value).splitlines()
+    name = type(optimizer).__qualname__
+    assert line.startswith(f"no memory rule for test_memory.{name}, and its state cannot be measured: {why}"), line
+    assert line.endswith("(known: SGD, Adam, AdamW; add it to halfprec.tools.memory.STATE_TENSORS)")
 
 
 @pytest.fixture(scope="module")

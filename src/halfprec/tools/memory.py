@@ -8,6 +8,8 @@ activations autograd saves for backward. `benchmarks/memory.py` compares it with
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +30,10 @@ MB = 2**20
 
 # Tensors of parameter size each optimizer keeps per parameter, from its param_group settings. The
 # state only appears at the first step, so it is predicted from these rules, not read off
-# optimizer.state. Exact classes only: a subclass may keep more.
+# optimizer.state. Exact classes only: a subclass may keep more. A class without a rule has its
+# state measured instead (measured_state_bytes); the known ones keep their rules because a rule is
+# exact without stepping and cheap: no copy of the parameters (which a GPU near its limit may not
+# hold), no step (torchao compiles its own: seconds), and it says which setting keeps what.
 STATE_TENSORS = {
     torch.optim.SGD: lambda group: 1 if group["momentum"] != 0 else 0,
     torch.optim.Adam: lambda group: 3 if group["amsgrad"] else 2,
@@ -137,8 +142,10 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     - optimizer state: from the optimizer class and its param_group settings (SGD: a momentum
       buffer unless momentum=0; Adam/AdamW: two moments, three with amsgrad), in the dtype the
       optimizer steps (fp32 in every halfprec mode); halfprec's own optimizers (optim.state_dtype)
-      by their state_layout, torchao's low-bit AdamW by TORCHAO_STATE. Any other class raises
-      UnknownOptimizer.
+      by their state_layout, torchao's low-bit AdamW by TORCHAO_STATE. Any other class (a subclass
+      of these included) is measured, not predicted: a new instance over zero copies of the
+      parameters takes one step, and its state is counted (measured_state_bytes); UnknownOptimizer
+      where that step fails.
     - compensation: a rounding rule's buffers (Kahan: one per parameter, in its dtype; remainder:
       an int16 per bf16 weight, the low half of its exact fp32 master).
     - inputs: the batch's storages.
@@ -173,19 +180,15 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrategy, device: torch.device) -> int:
-    """The state `optimizer` will hold once it has stepped every parameter, in bytes on `device`."""
+    """The state `optimizer` will hold once it has stepped every parameter, in bytes on `device`:
+    from a rule for the classes it knows, measured by one step of a copy for the others."""
     if isinstance(optimizer, LowPrecisionState):  # it says what it keeps
         return low_precision_state_bytes(optimizer, device)
     if type(optimizer).__module__.startswith("torchao.optim") and type(optimizer).__name__ in TORCHAO_STATE:
         return torchao_state_bytes(optimizer)
     rule = STATE_TENSORS.get(type(optimizer))
     if rule is None:
-        known = ", ".join(cls.__name__ for cls in STATE_TENSORS)
-        raise UnknownOptimizer(
-            f"no memory rule for {type(optimizer).__module__}.{type(optimizer).__qualname__}: how many "
-            f"parameter-sized state tensors it keeps is unknown (known: {known}); add it to "
-            "halfprec.tools.memory.STATE_TENSORS"
-        )
+        return measured_state_bytes(optimizer, params, device)
     total = 0
     for group in optimizer.param_groups:
         on_device = device.type == "cpu" or group.get("fused") or group.get("capturable")
@@ -193,6 +196,72 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrateg
         for t in group["params"]:
             total += rule(group) * t.numel() * params.optimizer_dtype(t).itemsize + step_count
     return total
+
+
+def measured_state_bytes(optimizer: torch.optim.Optimizer, params: ParamStrategy, device: torch.device) -> int:
+    """The state of an optimizer without a rule, measured: a new instance of its class, built from
+    its param groups and defaults over zero tensors of the parameters' shapes in the dtype it steps
+    them in (params.optimizer_dtype: the fp32 upcasts of bf16 weights), takes one step on zero
+    gradients; then the distinct storages of every tensor in its state on `device` count, scalars
+    (step counts) included. `optimizer` and the model are not touched, and the copies are freed
+    on return. Raises UnknownOptimizer, with the error, where the instance cannot be built or the
+    step fails (an optimizer that needs a closure)."""
+    copies = {id(t): _zero_copy(t, params.optimizer_dtype(t)) for g in optimizer.param_groups for t in g["params"]}
+    groups: list[dict] = []
+    devices = [device] if device.type != "cpu" else []
+    probe: torch.optim.Optimizer | None = None
+    stage, failure = "building a new instance", ""
+    storages: dict[tuple[int, int], int] = {}
+    try:
+        for group in optimizer.param_groups:  # the settings deep-copied too: a step may change them in place
+            settings = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+            groups.append({**settings, "params": [copies[id(t)] for t in group["params"]]})
+        # the step may draw random numbers (stochastic rounding): the run's stream stays as it was
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            probe = type(optimizer)(groups, **copy.deepcopy(optimizer.defaults))
+            stage = "one step on zero gradients"
+            probe.step()
+        for t in _tensors(probe.state):
+            if t.device.type == device.type:  # as the rules: memory on `device` only
+                storages[_storage_key(t)] = t.untyped_storage().nbytes()
+    except Exception as err:  # whatever the class raises is reported, by its type and first line
+        lines = str(err).strip().splitlines()
+        failure = type(err).__name__ + (f": {lines[0]}" if lines else "")
+    finally:
+        # the copies and the state go now, even where something (a reference cycle, the traceback
+        # of UnknownOptimizer below) still holds the instance or this frame
+        if probe is not None:
+            probe.state.clear()
+            probe.param_groups.clear()
+        copies.clear()
+        groups.clear()
+    if failure:
+        known = ", ".join(cls.__name__ for cls in STATE_TENSORS)
+        raise UnknownOptimizer(
+            f"no memory rule for {type(optimizer).__module__}.{type(optimizer).__qualname__}, and its state "
+            f"cannot be measured: {stage} raised {failure} (known: {known}; add it to "
+            "halfprec.tools.memory.STATE_TENSORS)"
+        )
+    return sum(storages.values())
+
+
+def _zero_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros like the parameter `t` in `dtype`, as a parameter with a zero gradient: what a step updates."""
+    zero = torch.zeros_like(t, dtype=dtype).requires_grad_()
+    zero.grad = torch.zeros_like(zero)
+    return zero
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    """The tensors in an optimizer's state: in dicts, lists and tuples, at any depth."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def low_precision_state_bytes(optimizer: LowPrecisionState, device: torch.device) -> int:
