@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_extend import MY_OPTIMIZER
 from torch import nn
 
 from halfprec.components.tasks.classification import Classification
@@ -149,24 +150,15 @@ def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-class Lion(torch.optim.Optimizer):
+def lion_class() -> type[torch.optim.Optimizer]:
     """Lion (Chen et al. 2023) by hand, a class estimate_memory has no rule for: one momentum buffer
-    per parameter, in the parameter's dtype, and the sign of an interpolation as the update."""
+    per parameter, in the parameter's dtype; the same source test_extend.py adds to a fork."""
+    namespace: dict = {}
+    exec(MY_OPTIMIZER, namespace)
+    return namespace["Lion"]
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                momentum = self.state[p].setdefault("momentum", torch.zeros_like(p))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(momentum.lerp(p.grad, 1 - beta1).sign_(), alpha=-group["lr"])
-                momentum.lerp_(p.grad, 1 - beta2)
+Lion = lion_class()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure", "bf16_pure_master"])
