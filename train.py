@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from halfprec.config import validate
 from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
-from halfprec.launch.exits import in_sweep, job_errors, run_cli
+from halfprec.launch.exits import check_not_a_lone_sweep, in_sweep, job_errors, run_cli
 from halfprec.launch.objective import sweep_value
 from halfprec.launch.resolvers import register_resolvers
 
@@ -21,6 +21,7 @@ from halfprec.launch.resolvers import register_resolvers
 def main(cfg: DictConfig) -> float:
     with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
         join_job_tasks()  # a submitit job of several tasks: one distributed run, as under torchrun
+        check_not_a_lone_sweep()  # +experiment=formats without -m
         validate(cfg)  # a bad value fails before any data or model is built
         from halfprec.training.run import run
 

@@ -35,7 +35,8 @@ IN_DEFAULTS = {
 }
 OPTIONS = [
     f"{'' if group.name in IN_DEFAULTS else '+'}{group.name}={option.stem}"
-    for group in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
+    # task_optim: chosen by the task and the optimizer together (test_lm.py tests it)
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "task_optim"))
     for option in sorted(group.glob("*.yaml"))
     if f"{group.name}={option.stem}" not in ("trainer=ddp", "trainer=fsdp")  # need torchrun: test_distributed.py
 ]
@@ -328,6 +329,35 @@ def test_settings_that_rarely_mean_what_they_say_are_warned_about(overrides, war
     assert config_warnings(compose_cfg(overrides)) == ([warning] if warning else [])
 
 
+@pytest.mark.parametrize(
+    "precision, flags, slow",
+    [
+        ("fp16", {"avx512_fp16", "amx_fp16"}, "precision=fp16 computes in fp16, which torch's CPU kernels"),
+        ("fp16_pure", None, "precision=fp16_pure computes in fp16"),
+        ("bf16", {"avx2", "fma"}, "precision=bf16 computes in bf16 and this CPU has no bf16 units (AVX512-BF16, AMX)"),
+        ("mxfp4", {"avx2"}, "precision=mxfp4 computes in bf16 and this CPU has no bf16 units"),  # its other layers
+        ("bf16_pure", {"avx512_bf16"}, None),
+        ("bf16", {"amx_bf16"}, None),
+        ("bf16", None, None),  # a system that does not say: no guess
+        ("fp32", {"avx2"}, None),
+    ],
+)
+def test_a_precision_a_cpu_runs_slowly_is_said_at_start(precision, flags, slow, monkeypatch):
+    """fp16 on any CPU, bf16 on one without bf16 units: exact, but 10-155x fp32's time there (on a
+    GPU, no word)."""
+    from halfprec.config import config_warnings, rules
+
+    monkeypatch.setattr(rules, "cpu_flags", lambda: flags)
+    cfg = compose_cfg([f"precision={precision}"])
+    said = [w for w in config_warnings(cfg, "cpu") if "computes in" in w]
+    assert (
+        (said[0].startswith(slow) and said[0].endswith("for speed use precision=fp32 here, or a GPU"))
+        if slow
+        else not said
+    )
+    assert not [w for w in config_warnings(cfg, "cuda") if "computes in" in w]
+
+
 def test_a_run_validates_its_config_once(tmp_path, monkeypatch):
     """train.py validates before it imports torch and tells run() so; build() never validates."""
     import halfprec.config
@@ -350,7 +380,8 @@ def test_the_defaults_list_names_every_option_of_each_group():
         found = re.match(r"\s*- (\w+): \S+\s+# options: (.*)", line)
         if found:
             listed[found.group(1)] = set(re.findall(r"[\w]+", found.group(2)))
-    assert set(listed) == {p.name for p in CONF.iterdir() if p.is_dir()} - {"hydra", "experiment"}
+    # task_optim is chosen by the task and the optimizer together (${task}_${optim}), never by name
+    assert set(listed) == {p.name for p in CONF.iterdir() if p.is_dir()} - {"hydra", "experiment", "task_optim"}
     for group, words in listed.items():
         options = {p.stem for p in (CONF / group).glob("*.yaml")}
         assert options <= words, f"conf/train.yaml's comment on {group} lacks {options - words}"
@@ -477,6 +508,11 @@ BAD = {
     "task=lm data=digits": (2, ["data=digits: gives class labels and task=lm learns from token sequences: use data="]),
     "optim=adamw optim.betas=0.9": (2, ["optim.betas=0.9: AdamW takes 2 values here", "optim.betas=[0.9,0.999]"]),
     "precision=fp16 scaler.min_scale=1e6": (2, ["scaler.min_scale=1000000.0: above scaler.init_scale=65536"]),
+    "+experiment=loss_scaling": (2, ["+experiment=loss_scaling: is a sweep of 18 jobs over precision, scaler, seed"]),
+    "hparams_search=optuna": (2, ["hparams_search=optuna: is a sweep over optim.lr, scaler.init_scale, accum"]),
+    "trainer=5": (2, ["trainer=5: no such option in conf/trainer/; options: ddp, default, fsdp"]),
+    "precision=mxfp4 precision.recipe=nvfp4": (2, ["precision.recipe=nvfp4: a mapping of grad_format,", "=nvfp4 is"]),
+    "precision=nvfp4 precision.recipe.scale_rule=rceil": (2, ["scale_rule=rceil: is for formats with E8M0 scales"]),
 }
 NEEDS_NO_CUDA = {"trainer.device=cuda", "precision=tf32", "precision=fp8"}
 

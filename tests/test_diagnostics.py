@@ -33,12 +33,12 @@ def diagnostics_for(*overrides: str):
 def test_fractions_and_histogram_of_a_crafted_gradient():
     c, diag = diagnostics_for()
     layers = dict(c.model.named_children())
-    assert list(diag.layers) == ["1", "3", "5"]  # the three Linear layers, in model order
+    assert list(diag.layers) == ["fc1", "fc2", "head"]  # the three Linear layers, in model order
     for p in c.model.parameters():
         p.grad = torch.ones_like(p)  # 1.0 = 2^0: representable, nonzero
-    # layer 1 (weight 8x64 = 512 values, bias 8): 128 zeros, 64 below fp16's smallest subnormal,
+    # fc1 (weight 8x64 = 512 values, bias 8): 128 zeros, 64 below fp16's smallest subnormal,
     # 32 above its max, 16 inf, the rest 1.0
-    g = layers["1"].weight.grad.view(-1)
+    g = layers["fc1"].weight.grad.view(-1)
     g[:128] = 0.0
     g[128:192] = 2.0**-30
     g[192:224] = 1e5
@@ -46,15 +46,15 @@ def test_fractions_and_histogram_of_a_crafted_gradient():
     diag.inspect_gradients(c.params)
     row = diag.collect()
     n1 = 512 + 8
-    assert row["grad_zero/1"] == pytest.approx(128 / n1)
-    assert row["grad_underflow/1"] == pytest.approx(64 / n1)
-    assert row["grad_overflow/1"] == pytest.approx(48 / n1)  # inf counts as overflow
-    assert row["grad_underflow/3"] == row["grad_overflow/3"] == row["grad_zero/3"] == 0.0
+    assert row["grad_zero/fc1"] == pytest.approx(128 / n1)
+    assert row["grad_underflow/fc1"] == pytest.approx(64 / n1)
+    assert row["grad_overflow/fc1"] == pytest.approx(48 / n1)  # inf counts as overflow
+    assert row["grad_underflow/fc2"] == row["grad_overflow/fc2"] == row["grad_zero/fc2"] == 0.0
     total = sum(p.numel() for p in c.model.parameters())
     assert row["diag/grad_underflow"] == pytest.approx(64 / total)
     assert row["diag/grad_overflow"] == pytest.approx(48 / total)
     # one bin per power of two: 2^-30 lands in bin -30, 1.0 in bin 0, 1e5 (~2^16.6) in bin 16; inf is left out
-    hist = row["grad_log2/1"]
+    hist = row["grad_log2/fc1"]
     assert isinstance(hist, Histogram) and hist.edges[0] == LOG2_RANGE[0] and len(hist.edges) == len(hist.counts) + 1
     low = LOG2_RANGE[0]
     assert hist.counts[-30 - low] == 64 and hist.counts[16 - low] == 32 and hist.counts[0 - low] == n1 - 240
@@ -70,16 +70,16 @@ def test_skip_source_names_the_layer_where_the_overflow_entered_the_backward():
     def poison(module, args, out) -> None:
         out.register_hook(lambda g: g * float("inf"))
 
-    handle = c.model.get_submodule("3").register_forward_hook(poison)
+    handle = c.model.get_submodule("fc2").register_forward_hook(poison)
     try:
         result = c.stepper.step([batch(16)])
     finally:
         handle.remove()
     assert result.skipped
-    assert diag.skip_source(result.loss, result.culprit) == "3 (Linear)"
+    assert diag.skip_source(result.loss, result.culprit) == "fc2 (Linear)"
     # the first layer is non-finite too: naming the first layer in model order would blame it
     grads = {name: p.grad for name, p in c.model.named_parameters()}
-    assert not torch.isfinite(grads["1.weight"]).all() and torch.isfinite(grads["5.weight"]).all()
+    assert not torch.isfinite(grads["fc1.weight"]).all() and torch.isfinite(grads["head.weight"]).all()
 
 
 def test_skip_source_of_a_forward_overflow():
@@ -96,7 +96,7 @@ def test_activation_gradients_are_counted_unscaled():
     with diag.watch_activation_gradients(c.scaler.scale):
         c.stepper.step([batch(16)])
     row = diag.collect()
-    assert {k for k in row if k.startswith("act_zero/")} == {"act_zero/1", "act_zero/3", "act_zero/5"}
+    assert {k for k in row if k.startswith("act_zero/")} == {"act_zero/fc1", "act_zero/fc2", "act_zero/head"}
     assert 0.0 <= row["diag/act_underflow"] < 0.01 and row["diag/act_overflow"] == 0.0
     # forward hooks are gone after the step
     assert all(not m._forward_hooks for m in c.model.modules())
@@ -123,17 +123,17 @@ def test_cli_logs_fractions_histograms_and_skip_sources(cli):
         "trainer.log_every=8",
         "trainer.inject_nonfinite_at=[3]",
     ).check()
-    assert "step 3: skipped, inf/NaN gradients from 1 (Linear); scale 65536 -> 32768" in result.stderr
+    assert "step 3: skipped, inf/NaN gradients from fc1 (Linear); scale 65536 -> 32768" in result.stderr
     rows = result.metrics()
     assert [r["step"] for r in rows] == [1, 3, 4, 8]
-    assert rows[1] == {"step": 3, "samples": 48, "diag/skip_source": "1 (Linear)"}
-    assert all("diag/grad_underflow" in r and "grad_overflow/1" in r for r in (rows[0], rows[2], rows[3]))
+    assert rows[1] == {"step": 3, "samples": 48, "diag/skip_source": "fc1 (Linear)"}
+    assert all("diag/grad_underflow" in r and "grad_overflow/fc1" in r for r in (rows[0], rows[2], rows[3]))
     assert not any(k.startswith("grad_log2/") for r in rows for k in r)  # histograms go to W&B only
     (run_file,) = wandb_records.run_files(result.run_dir)
     history = wandb_records.history(run_file)
-    hist = next(h for h in history if "grad_log2/1._type" in h)  # W&B stores it as nested keys
-    assert hist["grad_log2/1._type"] == "histogram"
-    assert len(hist["grad_log2/1.bins"]) == len(hist["grad_log2/1.values"]) + 1
+    hist = next(h for h in history if "grad_log2/fc1._type" in h)  # W&B stores it as nested keys
+    assert hist["grad_log2/fc1._type"] == "histogram"
+    assert len(hist["grad_log2/fc1.bins"]) == len(hist["grad_log2/fc1.values"]) + 1
 
 
 def test_diagnostics_off_adds_nothing(cli):

@@ -35,9 +35,9 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_leaves_no_temporary_file(
                    file_limit=1_000_000)  # fmt: skip
     assert result.returncode == 6, result.stderr
     ckpt = tmp_path / "checkpoints" / "step-00000010.pt"
-    assert result.stderr.strip().splitlines()[1:] == [
-        f"error: {ckpt}: File too large; free some space, or set hydra.run.dir to another disk"
-    ]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("run dir: ") and lines[1].startswith("optim: SGD ")  # the start's own lines
+    assert lines[2:] == [f"error: {ckpt}: File too large; free some space, or set hydra.run.dir to another disk"]
     assert list((tmp_path / "checkpoints").iterdir()) == []  # no .step-*.pt.tmp-* left
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["status"], summary["exit_code"], summary["steps"]) == ("failed", 6, 10)

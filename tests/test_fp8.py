@@ -31,7 +31,8 @@ def test_emulated_fp8_trains_like_bf16(recipe, tmp_path):
 def test_fp8_layers_are_torchao_float8_linear():
     c = build(compose_cfg(*EMULATED))
     kinds = {name: type(m).__name__ for name, m in c.model.named_children()}
-    assert kinds == {"0": "Flatten", "1": "Float8Linear", "2": "ReLU", "3": "Float8Linear", "4": "ReLU", "5": "Linear"}
+    assert kinds == {"flatten": "Flatten", "fc1": "Float8Linear", "act1": "ReLU", "fc2": "Float8Linear", "act2": "ReLU",
+                     "head": "Linear"}  # fmt: skip
 
 
 @pytest.mark.parametrize(

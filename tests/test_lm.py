@@ -236,6 +236,23 @@ def test_task_lm_trains_from_the_command_line_and_logs_its_metrics(cli):
     assert last["val/loss"] < math.log(256)  # three steps already beat a uniform guess
 
 
+def test_task_lms_optimizer_values_reach_adamw_and_its_variants_alone(cli):
+    """task=lm's lr, betas, weight decay and clipping are AdamW's (conf/task_optim/lm_adamw.yaml):
+    every AdamW variant takes them, SGD keeps its own and trains, the command line wins over both,
+    and the run says what it trains with."""
+    lm = {"lr": 0.003, "betas": [0.9, 0.95], "weight_decay": 0.1, "clip_grad_norm": 1.0}
+    for optim in ("adamw", "adamw_bf16", "adamw8bit", "adamw4bit", "adamw_fp8"):
+        cfg = compose_cfg("task=lm", f"optim={optim}")
+        assert {k: cfg.optim[k] for k in lm} == lm, optim
+    sgd = compose_cfg("task=lm", "optim=sgd").optim
+    assert (sgd.lr, sgd.momentum, sgd.weight_decay, sgd.clip_grad_norm, "betas" in sgd) == (0.1, 0.9, 0.0, None, False)
+    assert compose_cfg("task=lm", "optim.lr=1e-3").optim.lr == 1e-3
+    assert compose_cfg("optim=adamw").optim.lr == 0.001  # classification: AdamW's own values
+    result = cli.run(*TINY, "optim=sgd", "trainer.max_steps=2", "logger=none")
+    result.check()
+    assert "optim: SGD lr=0.1 momentum=0.9 nesterov=false weight_decay=0.0" in result.stderr.splitlines()
+
+
 def test_a_resumed_lm_run_logs_what_an_uninterrupted_one_does(tmp_path):
     overrides = [*TINY, "trainer.ckpt_every=3", "trainer.val_every=3"]
     run(compose_cfg(*overrides, "trainer.max_steps=6"), tmp_path / "straight")

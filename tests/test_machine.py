@@ -66,3 +66,16 @@ def test_auto_threads_on_this_machine_are_recorded_as_a_number(tmp_path, monkeyp
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     summary = run(compose_cfg("trainer.max_steps=2"), tmp_path)
     assert summary["threads"] == max(1, machine.usable_cores() // 2)
+
+
+def test_the_cpus_flags_say_whether_it_has_bf16_units(tmp_path):
+    """/proc/cpuinfo as x86 and Arm Linux write it; a system without the file gives no answer."""
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\nCPU implementer\t: 0x41\n")
+    assert machine.cpu_flags(x86) == {"fpu", "sse2", "avx2", "fma"}
+    assert machine.native_bf16(machine.cpu_flags(x86)) is False
+    assert machine.native_bf16(machine.cpu_flags(arm)) is True
+    assert machine.native_bf16({"avx512f", "amx_bf16"}) is True
+    assert machine.cpu_flags(tmp_path / "missing") is None and machine.native_bf16(None) is None

@@ -161,7 +161,15 @@ def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
     "overrides, message",
     [
         (["precision.format=mxfp3"], "precision.format=mxfp3: no such number format; they are fp8_e4m3,"),
-        (["precision=mxfp4", "precision.recipe.weight_2d=true"], "weight_2d=true: mxfp4 has no square blocks"),
+        (
+            ["precision=mxfp4", "precision.recipe.weight_2d=true"],
+            r"weight_2d=true: is for formats with square blocks .* no layer computes in one \(mxfp4\)",
+        ),
+        (
+            ["precision=nvfp4", "precision.recipe.scale_rule=rceil"],
+            r"scale_rule=rceil: is for formats with E8M0 scales .* \(nvfp4\): set precision.recipe.scale_rule=floor",
+        ),
+        (["precision=mxfp4", "precision.recipe=nvfp4"], "precision.recipe=nvfp4: a mapping of grad_format,"),
         (["precision=fp8", "precision.format=mxfp8"], "precision.fp8=tensorwise: torchao's float8 layers or"),
         (["precision=bf16", "precision.high_last=1"], "precision.high_last=1: keeps blocks high while the others"),
         (
@@ -181,10 +189,40 @@ def test_format_config_errors_name_the_key(overrides, message):
         validate(compose_cfg(*GPT, *overrides))
 
 
-def test_a_model_with_nothing_left_to_quantize_is_a_config_error():
-    cfg = compose_cfg("precision=mxfp8", "model.hidden=[]")  # one Linear: the classifier, kept high
-    with pytest.raises(ConfigError, match="no Linear layer of this model is left to quantize"):
-        build(cfg)
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.hidden=[]"], "precision=mxfp8: Sequential has no Linear layer to quantize but its output head"),
+        ([*GPT, "precision.high_last=2"], "precision.high_last=2: with precision.high_first=0 and high_last=2 all 2"),
+        ([*GPT, "precision.high_first=1", "precision.high_last=1"], "precision.high_last=1: .* all 2 blocks"),
+        ([*GPT, "precision.rules=[{match: 'blocks.*', format: high}]"], r"precision.rules\[0\].match=blocks.\*: sends"),
+    ],
+)
+def test_a_plan_with_nothing_to_quantize_names_its_cause(overrides, message):
+    """The digits MLP's one Linear layer is its head, kept high; the GPT's two blocks sent high by
+    precision.high_first/high_last or by a rule: each error names the setting that did it."""
+    with pytest.raises(ConfigError, match=message):
+        build(compose_cfg("precision=mxfp8", *overrides))
+
+
+def test_recipe_switches_apply_to_the_formats_that_can_use_them():
+    """The README's example: the attention in mxfp8, the rest in nvfp4 with its whole recipe. Square
+    weight blocks reach the nvfp4 layers alone (mxfp8 has none), the other switches every quantized
+    layer, and the start of the run says so."""
+    rules = "precision.rules=[{match: '*.attn.*', format: mxfp8}, {match: 'blocks.0.*', format: high}]"
+    c = build(compose_cfg(*GPT, "precision=nvfp4", rules))
+    layers = {n: m for n, m in c.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert {n: (m.format, m.recipe.weight_2d) for n, m in layers.items()} == {
+        "blocks.0.attn.qkv": ("mxfp8", False), "blocks.0.attn.proj": ("mxfp8", False),
+        "blocks.1.attn.qkv": ("mxfp8", False), "blocks.1.attn.proj": ("mxfp8", False),
+        "blocks.1.mlp.fc": ("nvfp4", True), "blocks.1.mlp.proj": ("nvfp4", True),
+    }  # fmt: skip
+    assert all(m.recipe.stochastic_grads and m.recipe.hadamard for m in layers.values())
+    assert c.policy.notes == [
+        "recipe: weight_2d applies to the nvfp4 layers, not to mxfp8: no square blocks (nvfp4 16x16, fp8_block 128x128)"
+    ]
+    with pytest.raises(ConfigError, match=r"weight_2d=true: is for formats with square blocks .* \(mxfp8\)"):
+        build(compose_cfg(*GPT, "precision=nvfp4", "precision.rules=[{match: '*', format: mxfp8}]"))
 
 
 def rows(run_dir):

@@ -137,7 +137,7 @@ def test_nonfinite_abort_without_a_scaler_saves_a_crash_checkpoint_and_names_the
     with pytest.raises(TrainingAborted) as info:
         run(cfg, tmp_path)
     message = str(info.value)
-    assert "step 7" in message and "non-finite gradients start at: 1.bias" in message  # backward order: bias first
+    assert "step 7" in message and "non-finite gradients start at: fc1.bias" in message  # backward order: bias first
     assert "7:1!" in message  # the scale history tail marks the overflowed step
     crash = load_checkpoint(tmp_path / "checkpoints" / "crash-step-00000007.pt")
     assert all(t.isfinite().all() for t in crash["model"].values())  # never NaN weights

@@ -107,6 +107,8 @@ def test_resume_refuses_a_different_model_and_allows_more_steps(tmp_path, capsys
     run(compose_cfg("trainer.max_steps=20", "trainer.ckpt_every=10"), tmp_path)
     with pytest.raises(ConfigError, match=r"model.hidden=.*trained with"):
         run(compose_cfg("trainer.max_steps=30", "resume=auto", "model.hidden=[8]"), tmp_path)
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=15: .*step-00000020.pt is at step 20 already: set "):
+        run(compose_cfg("trainer.max_steps=15", "resume=auto"), tmp_path)  # was "done: -5 steps", exit 0
     summary = run(compose_cfg("trainer.max_steps=30", "resume=auto"), tmp_path)
     assert "trainer.max_steps: 20 -> 30 (allowed)" in capsys.readouterr().err
     assert summary["steps"] == 30

@@ -18,9 +18,12 @@ from torch import nn
 
 from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.tools.sensitivity import BLOCK_FORMATS
 from halfprec.tools.sensitivity.measure import (
     WHOLE,
     Agreement,
+    Measured,
+    Row,
     Run,
     SensitivityError,
     measure,
@@ -142,16 +145,29 @@ def test_the_suggestion_keeps_the_most_damaged_within_the_budget(toy):
     _, measured = toy
     candidates = ranked(measured, "mxfp4")
     assert [r.layer for r in candidates][0] == "spiky" and "head" not in [r.layer for r in candidates]
-    assert [r.layer for r in keep_high(candidates, 0.34, "layers")] == ["spiky"]  # 1.02 layers: one
-    assert keep_high(candidates, 0.3, "layers") == []  # 0.9 of a layer: none
-    assert [r.layer for r in keep_high(candidates, 0.34, "params")] == ["spiky"]  # a third of 3 equal layers
-    override = rules_override([r.layer for r in keep_high(candidates, 0.7, "layers")])
+    every = lambda row: True  # noqa: E731 (the budget alone)
+    assert [r.layer for r in keep_high(candidates, 0.34, "layers", every)] == ["spiky"]  # 1.02 layers: one
+    assert keep_high(candidates, 0.3, "layers", every) == []  # 0.9 of a layer: none
+    assert [r.layer for r in keep_high(candidates, 0.34, "params", every)] == ["spiky"]  # a third of 3 equal layers
+    override = rules_override([r.layer for r in keep_high(candidates, 0.7, "layers", every)])
     cfg = compose_cfg("precision=mxfp4", override.strip("'"))
     assert [dict(r) for r in cfg.precision.rules] == [
-        {"match": r.layer, "format": "high"} for r in keep_high(candidates, 0.7, "layers")
+        {"match": r.layer, "format": "high"} for r in keep_high(candidates, 0.7, "layers", every)
     ]
     # an nn.Sequential's layers are named "1", "3": still strings once Hydra has read the rule
     assert compose_cfg("precision=mxfp4", rules_override(["3"]).strip("'")).precision.rules[0].match == "3"
+
+
+def test_a_damage_within_twice_its_standard_error_is_noise_and_makes_no_rule():
+    """Damages by hand: +0.3 on every batch is certain; +0.2 +- 0.15 (batches 0.05 and 0.35) is not
+    beyond 2 standard errors; a single batch has no error, so nothing is significant."""
+    sure, noisy, single = Row("a", "f", 10, [0.3, 0.3]), Row("b", "f", 10, [0.05, 0.35]), Row("c", "f", 1, [1.0])
+    assert Measured.damage_se(noisy) == pytest.approx(0.15) and Measured.damage(noisy) == pytest.approx(0.2)
+    assert [Measured.significant(r) for r in (sure, noisy, single)] == [True, False, False]
+    ranked_rows = [noisy, sure]  # noisy ranks first by its mean: it is still passed over
+    assert keep_high(ranked_rows, 0.5, "layers", Measured.significant) == [sure]
+    assert keep_high(ranked_rows, 1.0, "params", Measured.significant) == [sure]
+    assert keep_high([noisy], 1.0, "layers", Measured.significant) == []
 
 
 def test_bad_arguments_and_a_model_without_linear_layers_are_one_line_errors():
@@ -164,9 +180,64 @@ def test_bad_arguments_and_a_model_without_linear_layers_are_one_line_errors():
     run = toy_run(nn.Sequential(nn.Flatten()), [(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))])
     with pytest.raises(SensitivityError, match="Sequential has no Linear layer"):
         measure(run, ["mxfp4"], 1, parse_recipe("none", OmegaConf.create({})), seed=0)
+    run = toy_run(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)), [(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))])
+    with pytest.raises(SensitivityError, match="Sequential's only Linear layer, 1, is its output head, which a plan"):
+        measure(run, ["mxfp4"], 1, parse_recipe("none", OmegaConf.create({})), seed=0)
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--batches", "0"], "--batches 0: measure at least 1 validation batch"),
+        (["--keep", "1.5"], "--keep 1.5: a share between 0 and 1"),
+        (["--out", "{file}/sub"], "--out {file}/sub: cannot write there (Not a directory); choose another dir"),
+        (["--formats", "mxfp4,int3"], "--formats: unknown int3; known: fp8_e4m3,"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: no CUDA GPU is visible here; use --device cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
+    ],
+)
+def test_each_bad_argument_is_one_line_before_anything_is_measured(args, line, tmp_path, capsys):
+    from halfprec.tools.cli import main
+
+    file = tmp_path / "a_file"
+    file.write_text("")
+    run_dir = tmp_path / "run"
+    if "--formats" in args:  # judged once the run is read: a trained run is needed
+        assert train(tmp_path, "run", "precision=fp32").returncode == 0
+    assert main(["sensitivity", str(run_dir), *[a.format(file=file) for a in args]]) == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(f"halfprec sensitivity: error: {line.format(file=file)}")
 
 
 GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
+
+
+PRECISIONS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "precision").glob("*.yaml"))
+CRASHED_BEFORE = ("nvfp4", "fp8_block")  # their run's weight_2d reached formats without square blocks
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [p if p in CRASHED_BEFORE else pytest.param(p, marks=pytest.mark.slow) for p in PRECISIONS if p != "tf32"],
+)  # tf32 is a CUDA mode: a CPU refuses it before training
+def test_the_tool_measures_a_run_of_every_precision_option(precision, tmp_path, capsys):
+    """A one-step GPT of each precision option, measured with its own recipe in the default formats:
+    the run's format first (the suggestion is for it), the block formats after."""
+    from halfprec.tools.cli import main
+    from halfprec.training.run import run
+
+    emulate = ["precision.fp8_emulate=true"] if precision == "fp8" else []  # fp8 tensor cores: none here
+    cfg = compose_cfg(*GPT, "model.n_layer=1", f"precision={precision}", *emulate, "trainer.max_steps=1",
+                      "trainer.val_every=0")  # fmt: skip
+    run(cfg, tmp_path)
+    assert main(["sensitivity", str(tmp_path), "--batches", "1"]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "sensitivity.json").read_text())
+    own = [cfg.precision.format] if cfg.precision.format else []
+    assert summary["formats"] == list(dict.fromkeys([*own, *BLOCK_FORMATS]))
+    assert len(summary["rows"]) == len(summary["formats"]) * (4 + 1 + 1)  # 4 block layers, the head, the whole
 
 
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -183,7 +254,7 @@ def train(tmp_path: Path, name: str, *overrides: str) -> subprocess.CompletedPro
 @pytest.mark.slow  # three trainings and the tool in subprocesses: ~15 s
 def test_the_command_measures_a_run_writes_its_files_and_its_rules_train(tmp_path):
     assert train(tmp_path, "run", "precision=bf16").returncode == 0
-    result = run_tool("sensitivity", str(tmp_path / "run"), "--formats", "mxfp4,nvfp4", "--batches", "1",
+    result = run_tool("sensitivity", str(tmp_path / "run"), "--formats", "mxfp4,nvfp4", "--batches", "4",
                       "--keep", "0.25", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "| (whole model) |" in result.stdout and "| blocks.1.mlp.proj |" in result.stdout
@@ -196,10 +267,12 @@ def test_the_command_measures_a_run_writes_its_files_and_its_rules_train(tmp_pat
     assert run_tool("report", str(tmp_path / "run"), "--out", str(tmp_path / "report"), cwd=tmp_path).returncode == 0
     assert (tmp_path / "report" / "sensitivity_run.png").stat().st_size > 0
     assert "sensitivity_run.png" in (tmp_path / "report" / "report.md").read_text()
-    # 2 of the 8 layers: the rules line as printed, given to train.py through a shell
+    # 2 of the 8 layers, each starred (beyond 2 standard errors over the 4 batches) in the mxfp4 column:
+    # the rules line as printed, given to train.py through a shell
     (rules,) = re.findall(r"^\s+('precision\.rules=\[.*\]')$", result.stdout, re.M)
     kept = re.findall(r'match: "([\w.]+)"', rules)
-    assert len(kept) == 2
+    starred = re.findall(r"^\| ([\w.]+) \| \d+ \| [+-][\d.]+\* \|", result.stdout, re.M)
+    assert len(kept) == 2 and set(kept) <= set(starred)
     shell = f"{sys.executable} {TRAIN} {' '.join(GPT)} trainer.max_steps=2 logger=none precision=mxfp4 {rules}"
     trained = subprocess.run(shell, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr

@@ -1,4 +1,5 @@
-"""What this machine offers a run: CPU cores for torch's threads and for DataLoader workers.
+"""What this machine offers a run: CPU cores for torch's threads and for DataLoader workers, and
+whether its CPU computes in bf16 natively.
 
 torch's default (a thread per core) is fastest on an idle machine and worst on a busy one: OpenMP
 threads that wait for a core another process holds stall every op (the 500 default digits steps took
@@ -8,6 +9,7 @@ threads that wait for a core another process holds stall every op (the 500 defau
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def usable_cores() -> int:
@@ -49,3 +51,24 @@ def loader_workers(choice: int | str, most: int = 8) -> int:
     if choice != "auto":
         return int(choice)
     return max(1, min(most, usable_cores() // processes_on_this_node() - 1))
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The CPU's feature flags (x86's `flags`, Arm's `Features` line of /proc/cpuinfo); None where
+    the system does not say (macOS, Windows)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return None
+
+
+def native_bf16(flags: set[str] | None) -> bool | None:
+    """Whether the CPU has bf16 arithmetic (x86: AVX512-BF16 or AMX-BF16; Arm: the bf16 extension),
+    which torch's bf16 matmuls need to be fast; None: unknown. Without it torch emulates bf16,
+    exactly but slowly."""
+    return None if flags is None else bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})

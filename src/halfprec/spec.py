@@ -55,6 +55,8 @@ def check_node(
         declared = [f.name for f in fields(schema)]
     else:
         declared = [n for n in inspect.signature(schema).parameters if n not in set(hidden)]
+    if not isinstance(node, DictConfig):  # `group=value` where the group's keys were meant
+        raise ConfigError(prefix, node, f"a mapping of {', '.join(declared)}: set one as {prefix}.{declared[0]}=...")
     known_keys(node, prefix, [*extra, *declared], owner)
     for key in node:
         if key in hints and key in declared:

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from halfprec.errors import ConfigError
-from halfprec.machine import launcher
+from halfprec.machine import cpu_flags, launcher, native_bf16
 
 
 def check_precision(p: DictConfig, distributed: str) -> None:
@@ -82,8 +82,13 @@ def check_layer_formats(p: DictConfig) -> None:
             )  # fmt: skip
 
 
-def check_formats(p: DictConfig, formats: dict[str, bool]) -> None:
-    """The format names against the registry (`formats`: each name, and whether it has square blocks)."""
+def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
+    """The format names against the registry (`formats`: numerics/formats' FORMATS), and the recipe's
+    partial switches against the formats named (a switch none of them can use is an error; one that
+    some cannot use is said at start, numerics/layers.py's recipe_reach, once the plan is known)."""
+    from halfprec.numerics.layers import recipe_reach
+    from halfprec.numerics.quantized import Recipe
+
     names = ", ".join(formats)
     for key in ("format", "recipe.grad_format"):
         value = p.format if key == "format" else p.recipe.grad_format
@@ -94,12 +99,9 @@ def check_formats(p: DictConfig, formats: dict[str, bool]) -> None:
         if rule.format not in allowed:
             what = "with precision.fp8 a rule says high or float8" if p.fp8 else f"a format ({names}) or high"
             raise ConfigError(f"precision.rules[{i}].format", rule.format, what)
-    used = {p.format, *(r.format for r in p.rules)} - {None, "high", "float8"}
-    flat = sorted(name for name in used if not formats[name])
-    if p.recipe.weight_2d and flat:
-        raise ConfigError(
-            "precision.recipe.weight_2d", True, f"{flat[0]} has no square blocks (nvfp4: 16x16, fp8_block: 128x128)"
-        )
+    used = [f for f in dict.fromkeys([p.format, *(r.format for r in p.rules)]) if f in formats]
+    if used:
+        recipe_reach(used, Recipe(**p.recipe))
 
 
 def check_scaler(s: DictConfig) -> None:
@@ -113,9 +115,10 @@ def check_scaler(s: DictConfig) -> None:
         )
 
 
-def config_warnings(cfg: DictConfig) -> list[str]:
-    """Settings that work but rarely do what was meant: one line each, printed as the run starts."""
-    found = []
+def config_warnings(cfg: DictConfig, device_type: str = "cpu") -> list[str]:
+    """Settings that work but rarely do what was meant, or much slower than a user would guess: one
+    line each, printed as the run starts."""
+    found = [slow] if (slow := slow_on_cpu(cfg.precision)) and device_type == "cpu" else []
     warmup, steps = cfg.sched.warmup_steps, cfg.trainer.max_steps
     if warmup > steps:
         found.append(
@@ -125,6 +128,21 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     if cfg.trainer.val_every == 0:
         found.append("trainer.val_every=0: validation runs once, after the last step")
     return found
+
+
+def slow_on_cpu(p: DictConfig) -> str | None:
+    """The precision modes a CPU computes exactly but far slower than fp32 (measured on a 2-core Xeon
+    with AMX, torch 2.14: a 3x3 conv's forward and backward on 32x64x16x16 in fp16 autocast took 155x
+    fp32's time; task=lm's step in bf16 13x fp32's with torch and oneDNN limited to AVX2)."""
+    dtypes = {p.autocast, p.param_dtype}
+    advice = "exact, so fine for checking numerics; for speed use precision=fp32 here, or a GPU"
+    if "float16" in dtypes:
+        return (f"precision={p.name} computes in fp16, which torch's CPU kernels (convolutions above all) run "
+                f"far slower than fp32: {advice}")  # fmt: skip
+    if "bfloat16" in dtypes and native_bf16(cpu_flags()) is False:
+        return (f"precision={p.name} computes in bf16 and this CPU has no bf16 units (AVX512-BF16, AMX): torch "
+                f"emulates it, about 10x slower than fp32: {advice}")  # fmt: skip
+    return None
 
 
 def check_diagnostics(d: DictConfig) -> None:

@@ -9,6 +9,7 @@ adds any key, so unknown keys are checked here too.
 from __future__ import annotations
 
 import inspect
+from dataclasses import fields
 from typing import Annotated, Any, Literal, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
@@ -51,6 +52,12 @@ def validate(cfg: DictConfig) -> None:
 def check_quantization(p: DictConfig) -> None:
     """precision.recipe and each of precision.rules: their keys and types (the format names are
     checked with the registry, in validate_components)."""
+    if not isinstance(p.recipe, DictConfig):  # precision.recipe=nvfp4: a recipe is the option's, not a name
+        keys = ", ".join(f.name for f in fields(schema.QuantRecipe))
+        raise ConfigError(
+            "precision.recipe", p.recipe, f"a mapping of {keys}, set one at a time (precision.recipe.hadamard=true); "
+            "a format's own recipe comes with its option: precision=nvfp4 is nvfp4 with its recipe",
+        )  # fmt: skip
     check_node(p.recipe, schema.QuantRecipe, "precision.recipe", "precision.recipe")
     for i, rule in enumerate(p.rules):
         key = f"precision.rules[{i}]"
@@ -80,7 +87,7 @@ def validate_components(cfg: DictConfig) -> None:
     check_value("precision.update", cfg.precision["update"], rule)
     from halfprec.numerics.formats import FORMATS
 
-    rules.check_formats(cfg.precision, {name: f.tile is not None for name, f in FORMATS.items()})
+    rules.check_formats(cfg.precision, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
     check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
     name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")

@@ -92,6 +92,41 @@ def in_sweep() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def check_not_a_lone_sweep() -> None:
+    """A config that sweeps (`+experiment=formats`, `hparams_search=optuna`: hydra.sweeper.params)
+    started without -m would train once with none of the values it sweeps, and say nothing. One
+    job of it, every swept key set on the command line (what `wandb agent` runs), is a run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    params = dict(hydra_cfg.sweeper.get("params") or {})
+    given = {o.split("=", 1)[0].lstrip("+~") for o in hydra_cfg.overrides.task}
+    if in_sweep() or not set(params) - given:
+        return
+    choices = hydra_cfg.runtime.choices
+    named = next(((key, choices[key]) for key in ("experiment", "hparams_search") if choices.get(key)), None)
+    key, value = named or ("hydra.sweeper.params", ",".join(params))
+    jobs = sweep_size(params)
+    what = f"a sweep of {jobs} jobs" if jobs else "a sweep"
+    raise ConfigError(
+        key if key != "experiment" else "+experiment", value, f"is {what} over {', '.join(params)}: add -m to run "
+        f"it (python train.py -m ...); without -m it would train once, with none of the values it sweeps",
+    )  # fmt: skip
+
+
+def sweep_size(params: dict[str, Any]) -> int | None:
+    """How many jobs Hydra's basic sweeper makes of `params` (None for a search's ranges: Optuna's)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    size = 1
+    try:
+        for override in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]):
+            size *= len(list(override.sweep_string_iterator())) if override.is_sweep_override() else 1
+    except Exception:  # interval(), tag(): a search space, not a list of values
+        return None
+    return size
+
+
 @contextlib.contextmanager
 def job_errors() -> Iterator[None]:
     """Around a Hydra job: a single run prints its own error as one line and exits with its code
@@ -212,6 +247,8 @@ def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[i
         syntax = err.message.splitlines()[0]
         fix = "quote a value that holds '=', spaces or brackets: 'key=\"a value\"'"
         return CONFIG, f"error: {err.override}: not an override Hydra can read ({syntax}); {fix}"
+    if isinstance(err, ValueError) and str(err).startswith("Config group override must be a string"):
+        return CONFIG, "error: " + number_for_option(conf_dir, argv)  # trainer=5: Hydra read 5 as a number
     if not isinstance(err, HydraException):
         return None
     found = NOT_IN_CONFIG.search(str(err))
@@ -238,6 +275,17 @@ def unknown_option(group: str, value: str, options: list[str]) -> str:
     close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
     hint = f"did you mean {group}={close[0]}? " if close else ""
     return f"{group}={value}: no such option in conf/{group}/; {hint}options: {', '.join(options)}"
+
+
+def number_for_option(conf_dir: Path, argv: list[str]) -> str:
+    """A group given a number (`trainer=5`), which Hydra reads as an int and rejects without naming it."""
+    for override in user_overrides(argv):
+        group, _, value = override.lstrip("+").partition("=")
+        if (conf_dir / group).is_dir():
+            options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+            if value not in options:
+                return unknown_option(group, value, options)
+    return "a config group was given a number where it takes an option's name"
 
 
 def unknown_key(key: str, added: str, conf_dir: Path, argv: list[str]) -> str:

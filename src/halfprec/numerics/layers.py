@@ -20,6 +20,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from halfprec.errors import ConfigError
+from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.formats.casts import quiet_import
 from halfprec.numerics.quantized import QuantizedLinear, Recipe
 
@@ -81,6 +82,42 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_f
     return plan
 
 
+def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int, high_last: int,
+                        float8: bool, name: str) -> ConfigError:  # fmt: skip
+    """Why a plan keeps every Linear layer high, as one line naming the setting that does it: the high
+    blocks, a rule sending the rest high, float8's multiples of 16, or a model whose only Linear
+    layer is its output head. Each cause is found by planning again without it."""
+
+    def quantizes(rules: Sequence[Rule], first: int, last: int, fits: Callable[[nn.Module], bool] | None) -> bool:
+        return any(f != HIGH for f in plan_layers(model, fmt, rules, first, last, fits).values())
+
+    fits = float8_fits if float8 else None
+    blocks = len(block_names(model))
+    if (high_first or high_last) and quantizes(rules, 0, 0, fits):
+        key, value = ("precision.high_last", high_last) if high_last else ("precision.high_first", high_first)
+        return ConfigError(
+            key, value, f"with precision.high_first={high_first} and high_last={high_last} all {blocks} blocks of "
+            f"this model stay high, and nothing is left to quantize: keep fewer (their sum below {blocks})",
+        )  # fmt: skip
+    for i, rule in enumerate(rules):
+        if rule.format == HIGH and quantizes([*rules[:i], *rules[i + 1 :]], high_first, high_last, fits):
+            return ConfigError(
+                f"precision.rules[{i}].match", rule.match, "sends every Linear layer left to quantize high (the "
+                "output head is high already): narrow the glob, or use precision=bf16 for no quantized layer",
+            )  # fmt: skip
+    if float8 and quantizes(rules, high_first, high_last, None):
+        return ConfigError("precision", name, "no Linear layer of this model has in and out features divisible by 16, "
+                           "so none can compute in float8 (the output head stays high unless a precision.rules entry "
+                           "names it): widen the model or use precision=bf16")  # fmt: skip
+    if not linear_layers(model):
+        return ConfigError("precision", name, f"{type(model).__name__} has no Linear layer (convolutions, embeddings "
+                           "and norms are not quantized): use precision=bf16")  # fmt: skip
+    return ConfigError(
+        "precision", name, f"{type(model).__name__} has no Linear layer to quantize but its output head, which stays "
+        "high unless a precision.rules entry names it: name it in a rule, or use precision=bf16",
+    )  # fmt: skip
+
+
 def layer_seed(seed: int, name: str, rank: int) -> int:
     """A layer's stochastic-rounding seed: the run's seed, the layer's name (crc32: the same in every
     process, where str hashes are not) and the rank (ranks round their own gradients independently)."""
@@ -94,7 +131,46 @@ def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: 
             continue
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        model.set_submodule(name, QuantizedLinear.from_linear(linear, fmt, recipe, layer_seed(seed, name, rank)))
+        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), layer_seed(seed, name, rank))
+        model.set_submodule(name, layer)
+
+
+# The recipe switches only some formats can use (the others apply to every quantized layer): for
+# each, whether a layer of format f with gradients in g uses it, what it needs, and its off value.
+def has_tiles(fmt: str, grad_format: str) -> bool:
+    return FORMATS[fmt].tile is not None
+
+
+def has_e8m0(fmt: str, grad_format: str) -> bool:
+    return "e8m0" in (FORMATS[fmt].scale, FORMATS[grad_format].scale)
+
+
+PARTIAL_SWITCHES: dict[str, tuple[Callable[[str, str], bool], str, object]] = {
+    "weight_2d": (has_tiles, "square blocks (nvfp4 16x16, fp8_block 128x128)", False),
+    "scale_rule": (has_e8m0, "E8M0 scales (the MX formats)", "floor"),
+}
+
+
+def recipe_reach(formats: Sequence[str], recipe: Recipe) -> list[str]:
+    """Which of `formats` (a plan's, high aside) each partial switch of the recipe reaches: a line for
+    each switch that some of them cannot use (their layers go without it, as QuantizedLinear's
+    recipe says), a ConfigError for a switch that none can use (a setting that changes nothing)."""
+    lines = []
+    for switch, (uses, needs, off) in PARTIAL_SWITCHES.items():
+        value = getattr(recipe, switch)
+        if value == off:
+            continue
+        reached = [f for f in formats if uses(f, recipe.grad_format or f)]
+        missed = [f for f in formats if f not in reached]
+        if not reached:
+            raise ConfigError(
+                f"precision.recipe.{switch}", value, f"is for formats with {needs} and no layer computes in one "
+                f"({', '.join(formats)}): set precision.recipe.{switch}={str(off).lower()}",
+            )  # fmt: skip
+        if missed:
+            lines.append(f"recipe: {switch} applies to the {', '.join(reached)} layers, not to {', '.join(missed)}: "
+                         f"no {needs}")  # fmt: skip
+    return lines
 
 
 def float8_fits(module: nn.Module) -> bool:

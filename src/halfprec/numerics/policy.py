@@ -10,14 +10,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from halfprec.errors import ConfigError, PrecisionMismatch
+from halfprec.errors import PrecisionMismatch
 from halfprec.numerics.layers import (
     HIGH,
     Rule,
     float8_fits,
     layer_format,
     native_recipe,
+    nothing_to_quantize,
     plan_layers,
+    recipe_reach,
     swap_emulated,
     swap_float8,
 )
@@ -51,6 +53,7 @@ class PrecisionPolicy:
     high_last: int = 0
     kernel: str = "emulated"  # emulated (QuantizedLinear) | native (torchao's kernel for the format)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
+    notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
 
     @classmethod
     def from_config(cls, cfg, device_type: str) -> PrecisionPolicy:
@@ -129,14 +132,10 @@ class PrecisionPolicy:
         default = "float8" if self.fp8 else self.format
         plan = plan_layers(model, default, self.rules, self.high_first, self.high_last, float8_fits if float8 else None)
         if all(f == HIGH for f in plan.values()):
-            head = "the output head stays high unless a precision.rules entry names it"
-            why = (
-                f"no Linear layer of this model has in and out features divisible by 16, so none can compute in "
-                f"float8 ({head}): widen the model or use precision=bf16"
-                if float8
-                else f"no Linear layer of this model is left to quantize ({head}): add a rule or use precision=bf16"
-            )
-            raise ConfigError("precision", self.name, why)
+            first, last = self.high_first, self.high_last
+            raise nothing_to_quantize(model, default, self.rules, first, last, bool(float8), self.name)
+        if not float8:
+            self.notes = recipe_reach(list(dict.fromkeys(f for f in plan.values() if f != HIGH)), self.recipe)
         if float8:
             swap_float8(model, plan, float8, self.fp8_emulate)
         else:

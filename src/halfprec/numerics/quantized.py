@@ -16,7 +16,7 @@ quantized from the values they hold: the fp32 weight, the input as the layer bef
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,13 @@ class Recipe:
     hadamard: bool = False
     weight_2d: bool = False
     scale_rule: str = "floor"
+
+    def for_format(self, fmt: str) -> Recipe:
+        """The recipe a layer in `fmt` follows: square weight blocks only where the format has them
+        (nvfp4, fp8_block), so that one recipe serves a plan of several formats (precision=nvfp4 with
+        a rule sending the attention to mxfp8). The E8M0 rule needs no such care: `quantize` applies
+        it to the operands whose format has E8M0 scales."""
+        return replace(self, weight_2d=False) if self.weight_2d and FORMATS[fmt].tile is None else self
 
 
 class QuantizedLinear(nn.Linear):

@@ -60,18 +60,18 @@ def add_sensitivity(commands: argparse._SubParsersAction) -> None:
         "every Linear layer and each format: the loss increase with that layer alone in the format, and the cosine "
         "and relative error of its weight and input gradients; the whole model in the format as a reference row. "
         "Writes sensitivity.md, sensitivity.json and sensitivity.png, prints the table and a precision.rules list "
-        "keeping the most damaged layers high within --keep.",
+        "keeping high the most damaged layers (those whose damage exceeds twice its standard error) within --keep.",
     )
     parser.add_argument("path", type=Path, metavar="RUN_DIR", help="a run dir (its newest checkpoint) or a step-*.pt")
-    parser.add_argument("--formats", default=",".join(BLOCK_FORMATS), help="comma-separated (default: %(default)s); "
-                        "the first is the one the suggested rules are for")  # fmt: skip
+    parser.add_argument("--formats", help="comma-separated; the first is the one the suggested rules are for "
+                        f"(default: the run's precision.format, then {','.join(BLOCK_FORMATS)})")  # fmt: skip
     parser.add_argument("--batches", type=int, default=4, help="validation batches measured (default: %(default)s)")
     parser.add_argument("--keep", type=float, default=0.15, help="the share that may stay high (default: %(default)s)")
     parser.add_argument("--keep-by", choices=["layers", "params"], default="layers", help="a share of what")
     parser.add_argument("--recipe", default="run", help="run (the run's precision.recipe), none, or switches: "
                         "stochastic_grads,hadamard,weight_2d")  # fmt: skip
     parser.add_argument("--seed", type=int, help="stochastic rounding's seed (default: the run's)")
-    parser.add_argument("--device", help="cpu or cuda (default: the run's trainer.device)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: the run's trainer.device")
     parser.add_argument("--out", type=Path, metavar="DIR", help="where to write the files (default: the run dir)")
     parser.set_defaults(handler=run_sensitivity)
 

@@ -18,7 +18,7 @@ from halfprec.components.init import apply_init
 from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
 from halfprec.config import resolve_device
-from halfprec.errors import ConfigError
+from halfprec.errors import ConfigError, show_value
 from halfprec.numerics.optimizers import optimizer_arguments
 from halfprec.numerics.param_groups import param_groups, without_decay
 from halfprec.numerics.params import ParamStrategy, build_params
@@ -57,6 +57,18 @@ def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) ->
         raise ConfigError("optim", cfg.optim._target_, f"{type(cause).__name__}: {cause}") from None
     check_low_bit(optimizer, [t for _, t in named], cfg.optim._target_)
     return optimizer
+
+
+def optimizer_line(optim: DictConfig) -> str:
+    """The optimizer and the values it runs with, for the start of a run: a task's values reach only
+    the optimizers conf/task_optim/ has a file for (task=lm optim=sgd runs on SGD's own), so they are
+    worth seeing."""
+    shown = {str(k): v for k, v in optim.items() if k not in ("_target_", "no_decay", "state_dtype", "state_rounding")}
+    if optim.state_dtype != "float32":
+        shown |= {"state_dtype": optim.state_dtype, "state_rounding": optim.state_rounding}
+    values = " ".join(f"{k}={show_value(v)}" for k, v in shown.items() if v is not None)
+    name = str(optim._target_).rsplit(".", 1)[-1]
+    return f"optim: {name} {values}"
 
 
 def check_low_bit(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor], target: str) -> None:

@@ -12,12 +12,13 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from halfprec.config import config_warnings, resolve_device, validate, validate_optimizer
-from halfprec.errors import Interrupted, Preempted, naming
+from halfprec.errors import ConfigError, Interrupted, Preempted, naming
 from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.layers import layer_table
+from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.scaling import DIVERGING, LossScaler, TrainingAborted
 from halfprec.training import distributed
-from halfprec.training.build import Components, build, lr_factor, schedule_args
+from halfprec.training.build import Components, build, lr_factor, optimizer_line, schedule_args
 from halfprec.training.checkpoint import (
     check_resume_config,
     checkpoint_files,
@@ -69,6 +70,12 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Pat
     set_horizon(cfg, ckpt)
     if path is None or ckpt is None:  # both None together; the two tests are for the type checker
         return None, None
+    if int(ckpt["step"]) > cfg.trainer.max_steps:
+        raise ConfigError(
+            "trainer.max_steps", cfg.trainer.max_steps, f"{path} is at step {ckpt['step']} already: set "
+            f"trainer.max_steps above {ckpt['step']} to train on from it (the run it resumes had "
+            f"{ckpt['config']['trainer']['max_steps']})",
+        )  # fmt: skip
     notes = [*check_resume_config(ckpt["config"], saved_config(cfg), path), lr_note(cfg, ckpt)]
     for note in filter(None, notes):
         print(f"resume: {note}", file=sys.stderr)
@@ -112,14 +119,14 @@ def lr_note(cfg: DictConfig, ckpt: dict) -> str | None:
     )
 
 
-def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int, layers: dict[str, str]) -> None:
+def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int, policy: PrecisionPolicy) -> None:
     """Once everything is built: where this run writes, which Linear layers compute in which number
-    format (if any is quantized), and where it continues from; then the settings that work but
-    rarely do what was meant."""
+    format (if any is quantized) and which recipe switches they follow, the optimizer's values, and
+    where it continues from; then the settings that work but rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
-    for line in layer_table(layers):
+    for line in [optimizer_line(cfg.optim), *layer_table(policy.layers), *policy.notes]:
         print(line, file=sys.stderr)
-    for line in config_warnings(cfg):
+    for line in config_warnings(cfg, policy.device_type):
         print(f"warning: {line}", file=sys.stderr)
     if resumed_from is not None:
         print(f"resume: from {resumed_from} at step {step} of {cfg.trainer.max_steps}", file=sys.stderr)
@@ -138,7 +145,7 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
-        say_where(cfg, run_dir, path, loop.step, c.policy.layers)
+        say_where(cfg, run_dir, path, loop.step, c.policy)
         resume_step = loop.step if ckpt else None
         tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt["wandb_id"] if ckpt else None)
     else:

@@ -1,56 +1,127 @@
-"""The `halfprec sensitivity` command: measure, print, write (the parser is in tools/cli.py)."""
+"""The `halfprec sensitivity` command: check the arguments, measure with a progress display, print,
+write (the parser is in tools/cli.py)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from dataclasses import asdict
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from halfprec.numerics.layers import linear_layers
+from halfprec.tools.sensitivity import BLOCK_FORMATS
 from halfprec.tools.sensitivity.measure import (
+    SIGNIFICANT,
+    Measured,
+    Row,
     SensitivityError,
+    candidates,
     load_run,
     measure,
     parse_formats,
     parse_recipe,
     passes,
 )
-from halfprec.tools.sensitivity.output import Summary, damage_table, describe, write
+from halfprec.tools.sensitivity.output import Summary, damage_table, describe, writable, write
 from halfprec.tools.sensitivity.rules import keep_high, ranked, rules_override
 
 
-def suggestion(fmt: str, keep: float, by: str, chosen: int, of: int) -> str:
-    """The line before the suggested rules: what they keep high, and how they were chosen."""
-    share = f"{keep:g} of the {'layers' if by == 'layers' else 'parameters'}"
-    return (
-        f"Suggested for {fmt}: {chosen} of its {of} layers high, the most damaged within {share} (--keep {keep:g} "
-        f"--keep-by {by}); add to a run in {fmt} (precision=<its option> or precision.format={fmt}):"
-    )
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every argument that can be judged before the (slow) measurement, one line each."""
+    if args.batches < 1:
+        raise SensitivityError(f"--batches {args.batches}: measure at least 1 validation batch (2 or more give each "
+                               "damage a standard error, which a suggested rule needs)")  # fmt: skip
+    if not 0 <= args.keep <= 1:
+        raise SensitivityError(f"--keep {args.keep:g}: a share between 0 and 1 (0.15: 15% may stay high)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SensitivityError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    if args.out is not None:
+        writable(args.out, "--out")
+
+
+def default_formats(run_format: str | None) -> str:
+    """--formats when not given: the run's own format first (the suggested rules are for it), then
+    the block formats a precision option trains."""
+    first = [run_format] if run_format else []
+    return ",".join(dict.fromkeys([*first, *BLOCK_FORMATS]))
+
+
+def suggestion(fmt: str, args: argparse.Namespace, measured: Measured, candidates: list[Row]) -> list[str]:
+    """What to add to a run in `fmt`: the rules keeping its most damaged layers high, or why none."""
+    chosen = keep_high(candidates, args.keep, args.keep_by, Measured.significant)
+    noisy = sum(not Measured.significant(r) for r in candidates)
+    if not chosen:
+        why = (
+            f"no layer's damage exceeds {SIGNIFICANT:g} standard errors over {measured.batches} batch(es)"
+            if noisy == len(candidates)
+            else f"--keep {args.keep:g} of its {len(candidates)} layers (--keep-by {args.keep_by}) holds none"
+        )
+        return [f"No rule suggested for {fmt}: {why}; more --batches narrow the errors, a larger --keep allows more."]
+    share = f"{args.keep:g} of the {'layers' if args.keep_by == 'layers' else 'parameters'}"
+    return [
+        f"Suggested for {fmt}: {len(chosen)} of its {len(candidates)} layers high, the most damaged within {share} "
+        f"(--keep {args.keep:g} --keep-by {args.keep_by}), among those whose damage exceeds {SIGNIFICANT:g} "
+        f"standard errors; add to a run in {fmt} (precision=<its option> or precision.format={fmt}):",
+        "",
+        f"    {rules_override([r.layer for r in chosen])}",
+    ]
+
+
+class Passes:
+    """Progress over the forward-backward passes: a bar on a terminal, a line every tenth in a log."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=what)
+        elif self.done * 10 // self.total > (self.done - 1) * 10 // self.total:
+            elapsed = time.perf_counter() - self.start
+            print(f"{self.done}/{self.total} passes ({what}), {elapsed:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def sensitivity(args: argparse.Namespace) -> int:
     """The command: measure, print the table and the suggested rules, write the files."""
-    from rich.progress import Progress
-
-    formats = parse_formats(args.formats)
-    if not 0 <= args.keep <= 1:
-        raise SensitivityError(f"--keep {args.keep:g}: a share between 0 and 1 (0.15: 15% may stay high)")
+    check_arguments(args)
     run = load_run(args.path, args.device)
+    formats = parse_formats(args.formats or default_formats(run.cfg.precision.get("format")))
     recipe = parse_recipe(args.recipe, run.cfg.precision.get("recipe") or OmegaConf.create())  # older runs: none
-    total = passes(len(linear_layers(run.model)), len(formats), args.batches)
-    with Progress(transient=True) as bar:
-        task = bar.add_task("forward-backward passes", total=total)
-        measured = measure(run, formats, args.batches, recipe, run.cfg.seed if args.seed is None else args.seed,
-                           lambda: bar.advance(task))  # fmt: skip
-    fmt = formats[0]
-    candidates = ranked(measured, fmt)
-    chosen = keep_high(candidates, args.keep, args.keep_by)
-    rules = rules_override([r.layer for r in chosen])
-    summary = Summary.of(str(args.path), run.step, run.cfg.precision.name, asdict(recipe), measured, formats)
-    said = suggestion(fmt, args.keep, args.keep_by, len(chosen), len(candidates))
-    print("\n".join([*describe(summary), "", *damage_table(summary), "", said, "", f"    {rules}"]))
     out = args.out or (args.path if args.path.is_dir() else args.path.parent)
-    paths = write(summary, out, ["## Suggested rules", "", said, "", "```", rules, "```"])
+    writable(out, "--out")
+    layers, _ = candidates(run, formats)  # a model with nothing to measure says so before any pass
+    total = passes(len(layers), len(formats), args.batches)
+    print(f"measuring {run.checkpoint} (step {run.step}): {len(layers)} Linear layer(s) x {len(formats)} format(s) "
+          f"on up to {args.batches} validation batch(es): {total} forward-backward passes",
+          file=sys.stderr)  # fmt: skip
+    progress = Passes(total)
+    try:
+        measured = measure(run, formats, args.batches, recipe, run.cfg.seed if args.seed is None else args.seed,
+                           progress.advance)  # fmt: skip
+    finally:
+        progress.close()
+    fmt = formats[0]
+    said = suggestion(fmt, args, measured, ranked(measured, fmt))
+    summary = Summary.of(str(args.path), run.step, run.cfg.precision.name, asdict(recipe), measured, formats)
+    print("\n".join([*describe(summary), "", *damage_table(summary), "", *said]))
+    paths = write(summary, Path(out), ["## Suggested rules", "", *said])
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0

@@ -43,6 +43,9 @@ from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once
+# Standard errors a damage must exceed to count: about 95% one-sided for the batch means' normal
+# approximation, so that a layer at +0.0002 +- 0.0003 is not ranked as damaged (nor made a rule).
+SIGNIFICANT = 2.0
 
 
 class SensitivityError(Exception):
@@ -252,17 +255,20 @@ class Measured:
         n, mean = len(row.diffs), Measured.damage(row)
         return math.sqrt(sum((d - mean) ** 2 for d in row.diffs) / (n - 1) / n) if n > 1 else math.nan
 
+    @staticmethod
+    def significant(row: Row) -> bool:
+        """A loss increase beyond SIGNIFICANT standard errors (none with one batch: no error known)."""
+        se = Measured.damage_se(row)
+        return math.isfinite(se) and Measured.damage(row) > SIGNIFICANT * se
+
 
 def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: int,
-            advance: Callable[[], None] = lambda: None) -> Measured:  # fmt: skip
+            advance: Callable[[str], None] = lambda what: None) -> Measured:  # fmt: skip
     """The rows of every Linear layer and of WHOLE, in each format, over the first `batches`
-    validation batches; `advance` is called after every pass (a progress bar)."""
+    validation batches; `advance` is called after every pass with what it measured (a progress bar)."""
     model = run.model
-    layers = linear_layers(model)
-    if not layers:
-        raise SensitivityError(f"{run.checkpoint}: {type(model).__name__} has no Linear layer to compute in a format")
+    layers, plans = candidates(run, formats)
     size = {n: weight(model, n).numel() for n in layers}
-    plans = {f: plan_layers(model, f, []) for f in formats}
     quantizable = {f: [n for n, g in plans[f].items() if g != HIGH] for f in formats}
     rows = {(n, f): Row(n, f, size[n]) for f in formats for n in layers}
     whole = {f: Row(WHOLE, f, sum(size[n] for n in quantizable[f])) for f in formats}
@@ -270,20 +276,36 @@ def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: in
     for b, (inputs, targets) in enumerate(validation_batches(run, batches)):
         ref = run_pass(run, inputs, targets, layers)
         ref_sum, seen = ref_sum + ref.loss, seen + 1
-        advance()
+        advance(f"batch {b + 1}: the reference")
         for f in formats:
             for n in layers:
                 with quantized(run, {n: f}, recipe, seed, b):
                     add_pass(rows[n, f], run_pass(run, inputs, targets, [n]), ref)
-                advance()
-            if quantizable[f]:  # else the model's one Linear layer is its output head
-                with quantized(run, plans[f], recipe, seed, b):
-                    add_pass(whole[f], run_pass(run, inputs, targets, quantizable[f]), ref)
-            advance()
+                advance(f"batch {b + 1}: {n} in {f}")
+            with quantized(run, plans[f], recipe, seed, b):
+                add_pass(whole[f], run_pass(run, inputs, targets, quantizable[f]), ref)
+            advance(f"batch {b + 1}: the whole model in {f}")
     if not seen:
         raise SensitivityError(f"{run.checkpoint}: the run's data has no validation batch")
-    wholes = [row for row in whole.values() if row.diffs]
-    return Measured(ref_sum / seen, [*rows.values(), *wholes], plans, seen)
+    return Measured(ref_sum / seen, [*rows.values(), *whole.values()], plans, seen)
+
+
+def candidates(run: Run, formats: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The model's Linear layers and each format's plan as precision=<format> would make it; a model
+    whose plan quantizes nothing (no Linear layer, or only its output head) is one line."""
+    model, name = run.model, type(run.model).__name__
+    layers = linear_layers(model)
+    if not layers:
+        raise SensitivityError(f"{run.checkpoint}: {name} has no Linear layer to compute in a format (the tool "
+                               "measures Linear layers; convolutions, embeddings and norms are not quantized)",
+                               )  # fmt: skip
+    plans = {f: plan_layers(model, f, []) for f in formats}
+    if all(g == HIGH for plan in plans.values() for g in plan.values()):
+        only = f"only Linear layer, {layers[0]}, is its output head" if len(layers) == 1 else (
+            f"Linear layers ({', '.join(layers)}) are all output heads")  # fmt: skip
+        raise SensitivityError(f"{run.checkpoint}: {name}'s {only}, which a plan keeps high: no layer to measure "
+                               "(convolutions are not quantized)")  # fmt: skip
+    return layers, plans
 
 
 def validation_batches(run: Run, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

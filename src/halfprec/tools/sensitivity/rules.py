@@ -3,6 +3,8 @@ budget of layers or of parameters (`--keep`, `--keep-by`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from halfprec.numerics.layers import HIGH
 from halfprec.tools.sensitivity.measure import WHOLE, Measured, Row
 
@@ -15,14 +17,16 @@ def ranked(measured: Measured, fmt: str) -> list[Row]:
     return sorted(rows, key=lambda r: (measured.damage(r), r.weight_grad.rel_err), reverse=True)
 
 
-def keep_high(candidates: list[Row], keep: float, by: str) -> list[Row]:
-    """The first of `candidates` that fit in the budget: `keep` of their number (rounded down), or
-    of their parameters (by="params": in rank order, skipping a layer that would overflow it)."""
+def keep_high(candidates: list[Row], keep: float, by: str, significant: Callable[[Row], bool]) -> list[Row]:
+    """The first of `candidates` whose damage is `significant` that fit in the budget: `keep` of
+    the candidates' number (rounded down), or of their parameters (by="params": in rank order,
+    skipping a layer that would overflow it). A damage within its noise makes no rule."""
     if by == "layers":
-        return candidates[: int(keep * len(candidates) + 1e-9)]
-    budget, used, chosen = keep * sum(r.params for r in candidates), 0, []
+        return [r for r in candidates if significant(r)][: int(keep * len(candidates) + 1e-9)]
+    chosen: list[Row] = []
+    budget, used = keep * sum(r.params for r in candidates), 0.0
     for row in candidates:
-        if used + row.params <= budget:
+        if significant(row) and used + row.params <= budget:
             chosen.append(row)
             used += row.params
     return chosen
