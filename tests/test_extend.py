@@ -225,11 +225,14 @@ def test_an_optimizer_is_a_class_plus_a_yaml_and_its_memory_is_measured(fork, tm
     env = {**os.environ, "PYTHONPATH": str(fork / "src"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(fork / "benchmarks" / "memory.py"), "--device", "cpu", "--models", "mlp-small"]
     cmd += ["--precisions", "bf16_pure", "--override", "optim=lion", "--steps", "2", "--json", str(out)]
+    # Under task=lm it trains with its own values: the task's are AdamW's (conf/task_optim/lm_adamw.yaml)
+    tiny_gpt = ["task=lm", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16"]
     with subprocess.Popen(cmd, cwd=fork, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as bench:
-        result = train(fork, "optim=lion", "model.hidden=[32]", "hydra.run.dir=runs/optim")
+        result = train(fork, "optim=lion", *tiny_gpt, "hydra.run.dir=runs/optim")
         _, bench_err = bench.communicate(timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((fork / "runs" / "optim" / "summary.json").read_text())["status"] == "completed"
+    assert "optim: Lion lr=0.0001 betas=[0.9, 0.99] weight_decay=0.1" in result.stderr.splitlines()
     assert bench.returncode == 0, bench_err[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["per_param"]["optimizer_state"] == 4  # bytes per parameter
