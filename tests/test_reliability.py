@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import read_jsonl
-from test_resume import FP32, TRAIN, train_cmd, without_perf
+from test_resume import FP32, TRAIN, UNTIL_STOPPED, train_cmd, without_perf
 
 from halfprec.errors import ConfigError
 from halfprec.numerics.scaling import TrainingAborted
@@ -23,10 +23,11 @@ from helpers import compose_cfg, signalled
 
 
 def wait_for_rows(metrics, proc: subprocess.Popen, rows: int) -> None:
+    """Until metrics.jsonl has more than `rows` rows; the run (trainer.max_steps=100000) is still going."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > rows):
         time.sleep(0.005)
-    assert proc.poll() is None, "the run ended before the signal: make it longer"
+    assert proc.poll() is None, "the run ended before the signal"
 
 
 @pytest.mark.parametrize(
@@ -41,8 +42,8 @@ def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, s
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     subprocess.run(train_cmd(straight, *FP32), check=True, capture_output=True)
     # a session of its own: Ctrl-C in a terminal signals the whole foreground process group
-    with signalled(train_cmd(stopped, *FP32), stderr=subprocess.PIPE, text=True) as proc:
-        wait_for_rows(stopped / "metrics.jsonl", proc, 2)  # step 5 of 400: the signal comes long before the end
+    with signalled(train_cmd(stopped, *FP32, *UNTIL_STOPPED), stderr=subprocess.PIPE, text=True) as proc:
+        wait_for_rows(stopped / "metrics.jsonl", proc, 2)  # two rows: the loop runs, with its handlers
         os.killpg(proc.pid, signum)
         _, err = proc.communicate(timeout=60)
 
@@ -55,11 +56,12 @@ def test_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_exact(tmp_path, s
     metrics = stopped / "metrics.jsonl"
     stopped_at = load_checkpoint(checkpoint_files(stopped / "checkpoints")[-1])["step"]
     last_row = read_jsonl(metrics)[-1]["step"]
-    assert last_row <= stopped_at < min(last_row + 5, 400)  # saved at the step it stopped (rows every 5)
-    # the exact command it printed continues the run
+    assert last_row <= stopped_at < last_row + 5  # saved at the step it stopped (rows every 5)
+    # the exact command it printed continues the run (to the straight run's end: the last max_steps wins)
     command = shlex.split(err.split("continue with: ", 1)[1].splitlines()[0])
-    assert command == ["python", "train.py", *train_cmd(stopped, *FP32)[2:], "resume=auto"]
-    resumed = subprocess.run([sys.executable, str(TRAIN), *command[2:]], capture_output=True, text=True)
+    assert command == ["python", "train.py", *train_cmd(stopped, *FP32, *UNTIL_STOPPED)[2:], "resume=auto"]
+    resumed = subprocess.run([sys.executable, str(TRAIN), *command[2:], "trainer.max_steps=400"], capture_output=True,
+                             text=True)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert f"resume: from {stopped / 'checkpoints' / f'step-{stopped_at:08d}.pt'} at step {stopped_at} of 400" in (
         resumed.stderr
@@ -272,7 +274,7 @@ signal.signal(signal.SIGUSR1, requeue)
 from halfprec.training.run import run
 with initialize_config_dir(sys.argv[1], version_base="1.3"):
     cfg = compose("train", overrides=["logger=none", "trainer.progress=false", "model.hidden=[512,512]",
-                                      "trainer.max_steps=2000", "trainer.log_every=5", "trainer.ckpt_every=500"])
+                                      "trainer.max_steps=100000", "trainer.log_every=5", "trainer.ckpt_every=500"])
 run(cfg, sys.argv[2])
 """
 
@@ -285,7 +287,7 @@ def test_stop_signal_is_handed_on_to_the_launcher_after_the_checkpoint(tmp_path)
     metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 10):
         time.sleep(0.005)
-    assert proc.poll() is None, "the run ended before the signal: make it longer"
+    assert proc.poll() is None, "the run ended before the signal"
     os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()

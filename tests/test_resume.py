@@ -21,11 +21,17 @@ from halfprec.training.run import run
 from helpers import compose_cfg
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
-FP32 = ["model.hidden=[512,512]", "trainer.max_steps=400", "trainer.ckpt_every=25", "trainer.log_every=5",
-        "trainer.val_every=50"]  # fmt: skip
+FP32 = ["model.hidden=[512,512]", "trainer.max_steps=400", "sched.total_steps=400", "trainer.ckpt_every=25",
+        "trainer.log_every=5", "trainer.val_every=50"]  # fmt: skip
 LM_TINY = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16"]
-FP16 = ["precision=fp16", "model.hidden=[64]", "trainer.max_steps=300", "trainer.ckpt_every=25",
-        "trainer.log_every=1", "scaler.growth_interval=7", "trainer.inject_nonfinite_at=[30,31,90,200]"]  # fmt: skip
+FP16 = ["precision=fp16", "model.hidden=[64]", "trainer.max_steps=300", "sched.total_steps=300",
+        "trainer.ckpt_every=25", "trainer.log_every=1", "scaler.growth_interval=7",
+        "trainer.inject_nonfinite_at=[30,31,90,200]"]  # fmt: skip
+# Appended to a run that a test stops or kills midway: it cannot end before the signal comes, however
+# the machine schedules the test (a poller starved under load could see a 400-step run end first).
+# The last value of a repeated override wins; the cosine keeps its horizon (sched.total_steps above),
+# and trainer.max_steps may change on resume, so the run then resumes to the same end as a straight one.
+UNTIL_STOPPED = ["trainer.max_steps=100000"]
 
 
 def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
@@ -34,7 +40,8 @@ def train_cmd(run_dir: Path, *overrides: str) -> list[str]:
 
 def kill_midway(run_dir: Path, overrides: list[str], after_step: int) -> int:
     """Start a run, SIGKILL it once metrics.jsonl shows `after_step`; return the last step it logged."""
-    proc = subprocess.Popen(train_cmd(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = train_cmd(run_dir, *overrides, *UNTIL_STOPPED)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -42,7 +49,7 @@ def kill_midway(run_dir: Path, overrides: list[str], after_step: int) -> int:
         if rows and rows[-1]["step"] >= after_step:
             break
         time.sleep(0.002)
-    assert proc.poll() is None, "the run ended before it could be killed: make it longer"
+    assert proc.poll() is None, "the run ended before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return complete_rows(metrics)[-1]["step"]
