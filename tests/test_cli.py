@@ -48,6 +48,12 @@ NEEDS |= {f"optim={name}": ["model.hidden=[64]"] for name in ("adamw8bit", "adam
 NEEDS |= {f"ablation={p.stem}": ["task=lm", "model.n_layer=2"] for p in (CONF / "ablation").glob("*.yaml")}
 
 
+def model_arch(option: Path) -> str:
+    """A model option's arch: its own, or that of the option it extends (gpt2.yaml: `defaults: [gpt]`)."""
+    cfg = OmegaConf.load(option)
+    return cfg.arch if "arch" in cfg else model_arch(option.with_name(f"{cfg.defaults[0]}.yaml"))
+
+
 def fitting_tasks() -> dict[str, list[str]]:
     """A data or model option that does not fit the default task needs the task that learns from its
     data (task=lm for data=pydoc and model=gpt), found in the registries: a new option needs no entry."""
@@ -60,15 +66,20 @@ def fitting_tasks() -> dict[str, list[str]]:
 
     targets = {f"data={p.stem}": DATASETS[OmegaConf.load(p).name].targets for p in (CONF / "data").glob("*.yaml")}
     for option in (CONF / "model").glob("*.yaml"):  # a model: the targets of a dataset it can read
-        reads = MODELS[OmegaConf.load(option).arch].reads
+        reads = MODELS[model_arch(option)].reads
         targets[f"model={option.stem}"] = next(d.targets for d in DATASETS.values() if d.inputs == reads)
     return {option: [f"task={task_for(t)}"] for option, t in targets.items() if task_for(t) != "classification"}
 
 
 NEEDS |= fitting_tasks()
+# The model options that need task=lm (gpt, gpt2, llama: found above) and the others; the command
+# line's sweeps below run each set in the task it needs.
+LM_MODELS = sorted(o.split("=")[1] for o, needs in NEEDS.items() if o.startswith("model=") and "task=lm" in needs)
+OTHER_MODELS = sorted({p.stem for p in (CONF / "model").glob("*.yaml")} - set(LM_MODELS))
 # Scaler options are only meaningful where the loss is scaled: run them in fp16.
 GROUP_CONTEXT = {"scaler": ["precision=fp16"]}
-# Small versions of each model (fp16 autocast on CPU is slow; timm's resnet18 is 11M parameters).
+# Small versions of each model (fp16 autocast on CPU is slow; timm's resnet18 is 11M parameters), by
+# arch: gpt's are model=gpt, gpt2 and llama (heads of 8 values: even, as llama's RoPE needs).
 TINY = {
     "mlp": ["model.hidden=[16]"],
     "fixup_resnet": ["model.blocks_per_stage=1", "model.widths=[4,8,8]"],
@@ -200,8 +211,12 @@ OPTION_SWEEPS = {
     ],
     "scaler": ["scaler=glob(*)", "precision=fp16", "model.hidden=[16]"],
     "init": ["init=glob(*,exclude=fixup)", "model=fixup_resnet", "model.blocks_per_stage=1"],  # fixup: PROMISED
-    "model": ["model=glob(*,exclude=gpt)"],
-    "task=lm": ["task=lm", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16"],
+    "model": [f"model=glob(*,exclude=[{','.join(LM_MODELS)}])"],
+    "task=lm": [
+        "task=lm",
+        f"model=glob(*,exclude=[{','.join(OTHER_MODELS)}])",  # the models for task=lm, tiny
+        *TINY["gpt"],
+    ],
     "optim+sched": ["optim=glob(*)", "sched=glob(*)"],
     "data+logger": ["data=glob(*,exclude=[cifar10,imagefolder,pydoc,text,tokens])", "logger=glob(*)"],
     "data=cifar10": ["data=cifar10"],  # the options that read files, each with its own disk_data overrides

@@ -141,13 +141,38 @@ def test_token_files_are_memory_mapped_and_malformed_ones_are_one_error(tmp_path
     with pytest.raises(ConfigError, match=r"val\.bin holds 200 tokens, a block needs 201.*block_size<=199$"):
         load_tokens(str(tmp_path), block_size=200, vocab_size=300)
     (tmp_path / "val.bin").write_bytes(b"\x01\x02\x03")
-    with pytest.raises(ConfigError, match=r"val\.bin is 3 bytes, an odd number: not a uint16 token file"):
+    with pytest.raises(ConfigError, match=r"val\.bin is 3 bytes, not a multiple of 2: not a uint16 token file"):
         load_tokens(str(tmp_path), block_size=10, vocab_size=300)
     (tmp_path / "val.bin").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"val\.bin is empty \(0 bytes\)"):
         load_tokens(str(tmp_path), block_size=10, vocab_size=300)
     with pytest.raises(ConfigError, match=r"no train\.bin here"):
         load_tokens(str(tmp_path / "nothing"))
+
+
+def test_uint32_token_files_are_read_as_such_and_one_read_as_uint16_is_an_error(tmp_path):
+    """A vocabulary past 65,536 ids needs uint32 files (data.dtype=uint32); such a file read as uint16
+    shows a 0 at every odd position (the ids' high halves, little-endian): said, not trained on."""
+    ids = (np.arange(1000, dtype=np.uint32) * 7919) % 300
+    ids.tofile(tmp_path / "train.bin")
+    ids[:200].tofile(tmp_path / "val.bin")
+    data = load_tokens(str(tmp_path), block_size=10, vocab_size=300, dtype="uint32", num_workers=0)
+    x, _ = data.train[2]
+    assert torch.equal(x, torch.from_numpy(ids[20:30].astype(np.int64))) and len(data.train) == 99
+    with pytest.raises(
+        ConfigError, match=r"data\.dtype=uint16: .*train\.bin: every second 16-bit value is 0, .*uint32"
+    ):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=300)
+    with pytest.raises(ConfigError, match=r"data\.dtype=uint16: holds ids up to 65535 and data\.vocab_size=128256"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=128256)
+    ids[5] = 100_000  # a large vocabulary's id: checked against it as any other
+    ids.tofile(tmp_path / "train.bin")
+    with pytest.raises(ConfigError, match=r"token id 100000 at position 5 .*at least 100001 .*for 70000 ids$"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=70_000, dtype="uint32")
+    # uint16 files read as uint32: two ids make one far past the vocabulary, and the error says why
+    (np.arange(1000, dtype=np.uint16) % 300).tofile(tmp_path / "train.bin")
+    with pytest.raises(ConfigError, match=r"if the files hold uint16 ids, data\.dtype=uint16$"):
+        load_tokens(str(tmp_path), block_size=10, vocab_size=300, dtype="uint32")
 
 
 def one_line_error(result) -> str:

@@ -11,7 +11,7 @@ uses, so sample order, DDP slicing and the resume position work as they do there
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -138,12 +138,22 @@ def load_tokens(
     block_size: BlockSize = 1024,
     vocab_size: Annotated[int, Spec(low=2, doc="tokens the files use, e.g. 50257 for GPT-2's")] = 50257,
     bytes_per_token: Annotated[float | None, Spec(above=0, doc="for val/bpb; null: not reported")] = None,
+    dtype: Annotated[
+        Literal["uint16", "uint32"], Spec(doc="the ids' type in the files: uint16 (nanoGPT's), uint32 past 65,536 ids")
+    ] = "uint16",
     num_workers: NumWorkers = "auto",
     persistent_workers: PersistentWorkers = None,
 ) -> Dataset:
-    """nanoGPT's format: `train.bin` and `val.bin` in `root`, token ids as uint16."""
+    """nanoGPT's format: `train.bin` and `val.bin` in `root`, token ids as uint16 (or uint32)."""
+    if vocab_size > 2**16 and dtype == "uint16":
+        raise ConfigError(
+            "data.dtype", dtype, f"holds ids up to 65535 and data.vocab_size={vocab_size} goes beyond: files of "
+            "larger vocabularies hold uint32 ids, data.dtype=uint32",
+        )  # fmt: skip
+    kind = np.dtype(dtype)
     splits = [
-        TokenBlocks(read_token_file(Path(root) / name, vocab_size), block_size) for name in ("train.bin", "val.bin")
+        TokenBlocks(read_token_file(Path(root) / name, vocab_size, kind), block_size)
+        for name in ("train.bin", "val.bin")
     ]
     for name, split in zip(("train.bin", "val.bin"), splits):
         if len(split) < 1:  # not one block with its next-token target
@@ -155,22 +165,43 @@ def load_tokens(
     return Dataset(splits[0], splits[1], (block_size,), vocab_size, workers, bytes_per_token=bytes_per_token)
 
 
-def read_token_file(path: Path, vocab_size: int) -> np.ndarray:
-    """A memory map of a uint16 token file; a missing or malformed one is one clear error."""
+def read_token_file(path: Path, vocab_size: int, dtype: np.dtype) -> np.ndarray:
+    """A memory map of a token file of `dtype` ids; a missing or malformed one is one clear error."""
     if not path.is_file():
         raise ConfigError(
-            "data.root", str(path.parent), f"no {path.name} here: nanoGPT-style uint16 token files expected"
+            "data.root", str(path.parent), f"no {path.name} here: nanoGPT-style {dtype} token files expected"
         )
     size = path.stat().st_size
     if size == 0:
         raise ConfigError("data.root", str(path.parent), f"{path.name} is empty (0 bytes): it holds no tokens")
-    if size % 2:
+    if size % dtype.itemsize:
         raise ConfigError(
-            "data.root", str(path.parent), f"{path.name} is {size} bytes, an odd number: not a uint16 token file"
-        )
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            "data.root", str(path.parent), f"{path.name} is {size} bytes, not a multiple of {dtype.itemsize}: not a "
+            f"{dtype} token file",
+        )  # fmt: skip
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if dtype == np.uint16 and looks_like_uint32(tokens):
+        raise ConfigError(
+            "data.dtype", "uint16", f"{path}: every second 16-bit value is 0, as in a file of uint32 ids below "
+            "65536 read as uint16: set data.dtype=uint32",
+        )  # fmt: skip
     check_token_ids(path, tokens, vocab_size)
     return tokens
+
+
+def looks_like_uint32(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
+    """uint32 ids read as uint16 (little-endian): each id's high half, 0 below 65536, at every odd
+    position. Judged on the first million values; a real uint16 corpus is never zero at every odd
+    position (and a file of zeros alone is left to the other checks)."""
+    head = np.asarray(tokens[: sample - sample % 2])
+    return len(head) >= 64 and not head[1::2].any() and bool(head[0::2].any())
+
+
+def looks_like_uint16(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
+    """uint16 ids read as uint32: two ids make one, past 65535 unless the second is 0, so most of
+    them are; in a real large vocabulary's corpus the frequent ids are the small ones."""
+    head = np.asarray(tokens[:sample])
+    return bool(np.count_nonzero(head > np.iinfo(np.uint16).max) * 2 > len(head))
 
 
 CHUNK = 1 << 24  # tokens per look (32 MB): a corpus larger than memory is scanned a piece at a time
@@ -179,7 +210,7 @@ CHUNK = 1 << 24  # tokens per look (32 MB): a corpus larger than memory is scann
 def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
     """Every id below `vocab_size`, all of the file: one id out of range anywhere would otherwise be an
     IndexError in the embedding, hours into training, when a batch first holds it."""
-    if vocab_size > np.iinfo(np.uint16).max:  # no uint16 id can be out of range: skip reading the file
+    if vocab_size > np.iinfo(tokens.dtype).max:  # no id of this type can be out of range: skip reading the file
         return
     first, top = -1, 0
     for start in range(0, len(tokens), CHUNK):
@@ -190,4 +221,6 @@ def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int) -> None:
     if first >= 0:
         where = f"{path} holds token id {int(tokens[first])} at position {first} (of {len(tokens)}, from 0)"
         fix = f"set data.vocab_size to at least {top + 1} (its largest id + 1), or use files made for {vocab_size} ids"
+        if tokens.dtype == np.uint32 and looks_like_uint16(tokens):
+            fix += "; if the files hold uint16 ids, data.dtype=uint16"
         raise ConfigError("data.vocab_size", vocab_size, f"{where}, not below data.vocab_size: {fix}")

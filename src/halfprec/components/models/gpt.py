@@ -1,6 +1,7 @@
-"""A small GPT: token and position embeddings, pre-norm blocks of causal self-attention (through
-torch's scaled_dot_product_attention) and an MLP, a final norm, and an output head tied to the
-token embedding. Written for reading: each module is a few lines."""
+"""A small GPT: token embeddings and positions (learned embeddings, GPT-2, or rotary ones, LLaMA),
+pre-norm blocks of causal self-attention (through torch's scaled_dot_product_attention) and an
+MLP, a final norm, and an output head, tied to the token embedding or not. One code for
+model=gpt, gpt2 and llama (conf/model/). Written for reading: each module is a few lines."""
 
 from __future__ import annotations
 
@@ -21,8 +22,41 @@ def create_norm(kind: str, width: int) -> nn.Module:
     return nn.LayerNorm(width, bias=False) if kind == "layernorm" else nn.RMSNorm(width)
 
 
+class Rotary(nn.Module):
+    """Rotary position embeddings (RoPE, Su et al. 2021): a head's values are pairs (x_i, x_i+d/2),
+    and the pair i of the token at position p is rotated by the angle p * base^(-2i/d). A rotation
+    by angle a for the query and b for the key leaves q.k a function of a - b: attention sees the
+    positions' difference alone. The pairs are the halves of the head (GPT-NeoX's and Hugging
+    Face's LLaMA layout; Meta's code pairs neighbours, an equivalent permutation of the weights)."""
+
+    cos: torch.Tensor  # (block_size, head/2): buffers, typed for the type checker
+    sin: torch.Tensor
+
+    def __init__(self, head: int, block_size: int, base: float):
+        super().__init__()
+        # in float64 then fp32: an angle p * freq is exact to fp32's precision at every position
+        freqs = base ** (-torch.arange(0, head, 2, dtype=torch.float64) / head)  # (head/2,)
+        angles = torch.outer(torch.arange(block_size, dtype=torch.float64), freqs)  # (block_size, head/2)
+        # computed once per model for its whole context; not in the state dict (derived, not learned),
+        # so a checkpoint holds the same keys as one without them
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, heads, time, head), rotated in fp32 and returned in x's dtype. fp32: the products
+        and sums are rounded once, at the end, not at each op in bf16. x's dtype: the attention then
+        computes in the dtype that autocast or a pure mode gave q and k, as with learned positions
+        (an fp32 result would turn a pure bf16 mode's attention fp32). A pure mode's model.to(bf16)
+        casts these buffers, as every buffer: cos and sin then have bf16's precision, that of the
+        q and k they rotate."""
+        time = x.shape[-2]
+        cos, sin = self.cos[:time].float(), self.sin[:time].float()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, norm: str):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, norm: str, rope: Rotary | None = None):
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
@@ -31,6 +65,7 @@ class CausalSelfAttention(nn.Module):
         # qk-norm (Dehghani et al. 2023): bounded attention logits, whatever the weights grow to
         self.q_norm = create_norm(norm, head) if qk_norm else nn.Identity()
         self.k_norm = create_norm(norm, head) if qk_norm else nn.Identity()
+        self.rope = rope  # the model's one Rotary, shared by every block (its buffers are no parameters)
         self.resid_drop = nn.Dropout(dropout)
         # diagnostics=grads turns this on for its steps: the largest attention logit is then kept
         self.record_logits = False
@@ -40,6 +75,10 @@ class CausalSelfAttention(nn.Module):
         batch, time, width = x.shape
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(width, dim=2))
         q, k = self.q_norm(q), self.k_norm(k)
+        # RoPE after qk-norm: the norm's per-value gains, applied to rotated pairs, would scale a
+        # pair's two values unequally and q.k would no longer depend on the relative position alone
+        if self.rope is not None:
+            q, k = self.rope(q), self.rope(k)
         if self.record_logits:
             self.keep_logit_max(q, k)
         dropout = self.dropout if self.training else 0.0
@@ -75,10 +114,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, norm: str, mlp: str):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, norm: str, mlp: str,
+                 rope: Rotary | None):  # fmt: skip
         super().__init__()
         self.norm1 = create_norm(norm, n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, qk_norm, norm)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, qk_norm, norm, rope)
         self.norm2 = create_norm(norm, n_embd)
         self.mlp = MLP(n_embd, mlp, dropout)
 
@@ -88,22 +128,29 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    keep_high = ("lm_head",)  # quantized formats leave the output head (tied to the embedding) high
+    keep_high = ("lm_head",)  # quantized formats leave the output head high, tied to the embedding or not
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float,
-                 qk_norm: bool, norm: str, mlp: str):  # fmt: skip
+                 qk_norm: bool, norm: str, mlp: str, pos: str = "learned", rope_base: float = 10000.0,
+                 tie_embeddings: bool = True):  # fmt: skip
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
+        # learned: a vector per position added to the input (GPT-2); rope: positions rotate q and k
+        self.wpe = nn.Embedding(block_size, n_embd) if pos == "learned" else None
+        self.rope = Rotary(n_embd // n_head, block_size, rope_base) if pos == "rope" else None  # one per model
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, qk_norm, norm, mlp) for _ in range(n_layer))
+        blocks = (Block(n_embd, n_head, dropout, qk_norm, norm, mlp, self.rope) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(blocks)
         self.norm = create_norm(norm, n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one matrix embeds and reads out tokens
+        if tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # one matrix embeds and reads out tokens
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(positions))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.norm(x))
@@ -130,17 +177,37 @@ def create_gpt(
         Literal["gpt2", "zero", "plain"],
         Spec(doc="residual projections at init: std 0.02/sqrt(2 n_layer) (GPT-2), zero, or 0.02 as the rest"),
     ] = "gpt2",
+    pos: Annotated[
+        Literal["learned", "rope"],
+        Spec(doc="positions: a learned embedding added to the input (GPT-2) or rotary q and k (LLaMA)"),
+    ] = "learned",
+    rope_base: Annotated[float, Spec(above=1, doc="pos=rope: the base of the rotation frequencies")] = 10000.0,
+    tie_embeddings: Annotated[bool, Spec(doc="the output head is the token embedding's matrix")] = True,
 ) -> nn.Module:
     """`num_classes` is the vocabulary; `input_shape` is (block_size,) from the token data."""
     if len(input_shape) != 1:
         raise ConfigError("model", "gpt", f"reads token sequences, not {input_shape} inputs: use task=lm")
     if n_embd % n_head:
         raise ConfigError("model.n_head", n_head, f"must divide model.n_embd={n_embd}")
+    if pos == "rope":
+        check_rope_heads(n_embd, n_head)
     if input_shape[0] > block_size:
         raise ConfigError("data.block_size", input_shape[0], f"must be <= model.block_size={block_size}")
-    model = GPT(num_classes, block_size, n_layer, n_head, n_embd, dropout, qk_norm, norm, mlp)
+    model = GPT(num_classes, block_size, n_layer, n_head, n_embd, dropout, qk_norm, norm, mlp, pos, rope_base,
+                tie_embeddings)  # fmt: skip
     init_gpt(model, proj_init)
     return model
+
+
+def check_rope_heads(n_embd: int, n_head: int) -> None:
+    """RoPE rotates pairs of a head's values: the head size n_embd / n_head must be even."""
+    if (n_embd // n_head) % 2 == 0:
+        return
+    works = [h for h in range(1, n_embd // 2 + 1) if n_embd % (2 * h) == 0]  # n_embd / h is even
+    closest = sorted(sorted(works, key=lambda h: abs(h - n_head))[:3])
+    fix = f"model.n_head={' or '.join(map(str, closest))}" if works else "an even model.n_embd"
+    head = f"gives heads of {n_embd // n_head} values (model.n_embd={n_embd})"
+    raise ConfigError("model.n_head", n_head, f"{head} and pos=rope rotates pairs of them: use {fix}")
 
 
 def init_gpt(model: GPT, proj_init: str) -> None:
