@@ -4,6 +4,7 @@ the parameter counts at the default sizes, tiny versions trained in the FP4 form
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from halfprec.components.models.gpt import Rotary, create_gpt
 from halfprec.errors import ConfigError
 from halfprec.numerics.quantized import QuantizedLinear
 from halfprec.training.build import build
+from halfprec.training.checkpoint import check_resume_config
 from halfprec.training.run import run
+from halfprec.training.tracking import saved_config
 
 from helpers import compose_cfg
 
@@ -167,3 +170,19 @@ def test_a_head_size_rope_cannot_rotate_is_one_line_naming_n_head_and_what_works
     )
     with pytest.raises(ConfigError, match=r"^model.n_head=1: gives heads of 15 values .* use an even model.n_embd$"):
         create_gpt((8,), 32, n_head=1, n_embd=15, block_size=8, pos="rope")
+
+
+def test_a_gpt_checkpoint_from_before_the_variants_resumes_as_the_learned_tied_gpt_it_was(tmp_path):
+    """Checkpoints from before model.pos, rope_base and tie_embeddings (and data.dtype) were of GPTs
+    with learned positions and a tied head: one resumes as that model, not as a rotary one; a model
+    without those keys (the MLP) is not held to them; precision.quantizer changes no value."""
+    new = saved_config(compose_cfg("task=lm"))
+    added = ("pos", "rope_base", "tie_embeddings")
+    old = {**new, "model": {k: v for k, v in new["model"].items() if k not in added}}
+    assert check_resume_config(old, new, Path("step-00000004.pt")) == []
+    rope = saved_config(compose_cfg("task=lm", "model.pos=rope"))
+    with pytest.raises(ConfigError, match=r"model.pos=rope: .* was trained with model.pos='learned'"):
+        check_resume_config(old, rope, Path("step-00000004.pt"))
+    compiled = saved_config(compose_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
+    eager = saved_config(compose_cfg("task=lm", "precision=mxfp8"))
+    assert check_resume_config(eager, compiled, Path("s.pt")) == ["precision.quantizer: 'auto' -> 'compiled' (allowed)"]

@@ -124,3 +124,24 @@ def test_fp8_loss_curve_follows_bf16(recipe, tmp_path):
     ref = [json.loads(line)["train/loss"] for line in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
     assert len(curve) == len(ref) and all(abs(a - b) < 0.05 + 0.1 * b for a, b in zip(curve, ref)), (curve, ref)
     assert fp8["val/acc"] > 0.95 and abs(fp8["val/acc"] - bf16["val/acc"]) < 0.02
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4", "fp8_block", "mxint8"])
+def test_the_compiled_quantizer_on_cuda_gives_the_eager_values_bit_for_bit(name):
+    """Triton's kernels (precision.quantizer=auto on a GPU) against the eager ops on the same GPU,
+    stochastic rounding from the same draws: divisions and roundings must be IEEE's there too."""
+    from halfprec.numerics.formats import FORMATS, quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1030, 768, device="cuda", generator=g) * torch.logspace(-6, 6, 768, device="cuda")
+    x[3, 5] = float("inf")
+    for tile in [False, True] if FORMATS[name].tile else [False]:
+        for axis in (-1, 0):
+            for rounding in ("nearest", "stochastic"):
+                eager, compiled = (
+                    quantize(x, name, axis, rounding, torch.Generator(device="cuda").manual_seed(1), tile, compiled=c)[
+                        0
+                    ]
+                    for c in (False, True)
+                )
+                assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), (tile, axis, rounding)

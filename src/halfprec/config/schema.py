@@ -58,6 +58,9 @@ class Precision:
     high_first: Annotated[int, Spec(low=0, doc="the first N transformer blocks stay high")]
     high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
     kernel: Annotated[Literal["emulated", "native"], Spec(doc="how quantized layers compute")]
+    quantizer: Annotated[
+        Literal["auto", "eager", "compiled"], Spec(doc="emulated layers' quantizers; auto: compiled on a GPU")
+    ]
 
 
 @dataclass

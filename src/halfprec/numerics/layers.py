@@ -124,14 +124,18 @@ def layer_seed(seed: int, name: str, rank: int) -> int:
     return (seed << 40) ^ (rank << 32) ^ zlib.crc32(name.encode())
 
 
-def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int) -> None:
-    """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters."""
+def swap_emulated(
+    model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int, compiled: bool = False
+) -> None:
+    """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters; `compiled`:
+    its quantizers through torch.compile."""
     for name, fmt in plan.items():
         if fmt == HIGH:
             continue
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), layer_seed(seed, name, rank))
+        seed_of_layer = layer_seed(seed, name, rank)
+        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), seed_of_layer, compiled)
         model.set_submodule(name, layer)
 
 

@@ -31,6 +31,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # apex O2 and fairseq keep them in fp32; so do we (`precision.keep_norm_fp32`).
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
+COMPILED_NOTE = (
+    "quantizers: compiled (precision.quantizer), one fused kernel each; the first steps compile each "
+    "(format, axis, shape) a layer meets, a few seconds each (precision.quantizer=eager: none)"
+)
 
 
 @dataclass
@@ -52,6 +56,7 @@ class PrecisionPolicy:
     high_first: int = 0
     high_last: int = 0
     kernel: str = "emulated"  # emulated (QuantizedLinear) | native (torchao's kernel for the format)
+    quantizer: str = "eager"  # emulated layers' quantizers: eager | compiled (precision.quantizer, resolved)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
 
@@ -77,6 +82,7 @@ class PrecisionPolicy:
             high_first=cfg.high_first,
             high_last=cfg.high_last,
             kernel=cfg.kernel,
+            quantizer=quantizer_for(cfg.get("quantizer", "auto"), device_type),
         )
 
     @property
@@ -139,7 +145,9 @@ class PrecisionPolicy:
         if float8:
             swap_float8(model, plan, float8, self.fp8_emulate)
         else:
-            swap_emulated(model, plan, self.recipe, seed, rank)
+            swap_emulated(model, plan, self.recipe, seed, rank, self.quantizer == "compiled")
+            if self.quantizer == "compiled":
+                self.notes.append(COMPILED_NOTE)
         self.layers = plan
         return plan
 
@@ -183,6 +191,15 @@ class PrecisionPolicy:
             key = f"precision/layers/{planned}"
             counts[key] = int(counts.get(key, 0)) + 1
         return counts
+
+
+def quantizer_for(choice: str, device_type: str) -> str:
+    """precision.quantizer: auto compiles on a GPU, where the eager quantizer's ~85 ops each launch a
+    kernel; on a CPU eager, whose 2^16-value chunks already keep the work in cache and whose
+    stochastic rounding compiled ran 2x slower (one thread, 1024x768), with no compile to wait for."""
+    if choice == "auto":
+        return "compiled" if device_type == "cuda" else "eager"
+    return choice
 
 
 def _name(dtype: torch.dtype) -> str:

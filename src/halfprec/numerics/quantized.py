@@ -64,19 +64,22 @@ class QuantizedLinear(nn.Linear):
     statistics to it (diagnostics steps)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, recipe: Recipe, seed: int,
-                 device: Any = None, dtype: torch.dtype | None = None):  # fmt: skip
+                 device: Any = None, dtype: torch.dtype | None = None, compiled: bool = False):  # fmt: skip
         super().__init__(in_features, out_features, bias, device, dtype)
         self.format, self.recipe, self.seed = fmt, recipe, seed
+        self.compiled = compiled  # the quantizer through torch.compile (formats.compiled_quantizer)
         self.grad_format = recipe.grad_format or fmt
         self.backward_passes = 0
         self.stats: dict[str, torch.Tensor] | None = None
         self.hadamard_matrix: torch.Tensor | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str, recipe: Recipe, seed: int) -> QuantizedLinear:
+    def from_linear(
+        cls, linear: nn.Linear, fmt: str, recipe: Recipe, seed: int, compiled: bool = False
+    ) -> QuantizedLinear:
         """The same Parameters (a tied weight stays tied) in a layer that quantizes them."""
         w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, False, fmt, recipe, seed, w.device, w.dtype)
+        layer = cls(linear.in_features, linear.out_features, False, fmt, recipe, seed, w.device, w.dtype, compiled)
         layer.weight, layer.bias = linear.weight, linear.bias
         return layer
 
@@ -102,7 +105,7 @@ class QuantizedLinear(nn.Linear):
         rounding = "nearest" if generator is None else "stochastic"
         counting = record and self.stats is not None
         t = t.float()  # a copy for bf16 operands: made once, for the quantizer and the statistics
-        q, saturated = quantize(t, name, axis, rounding, generator, tile, rule, count_saturated=counting)
+        q, saturated = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled)
         if counting:
             self.record(operand, t, q, saturated)
         return q

@@ -38,9 +38,11 @@ CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "trainer.log_every", "trainer.progress",
                      "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
                      "trainer.threads", "data.num_workers", "scaler.max_consecutive_skips",
-                     "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps")  # fmt: skip
+                     "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps",
+                     "precision.quantizer")  # fmt: skip
 # Keys added after checkpoints were first written, with the value every older version behaved as:
-# a checkpoint whose config lacks the key resumes when the run asks for that value.
+# a checkpoint whose config lacks the key resumes when the run asks for that value (a key only some
+# options have, as the GPT's model.pos, is implied only where the run has it).
 IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "task.name": "classification",
     # from before the number formats: no layer quantized
@@ -58,6 +60,10 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "optim.no_decay": [],  # from before param groups: every tensor decayed
     "optim.state_dtype": "float32",
     "optim.state_rounding": "nearest",
+    "model.pos": "learned",  # from before model=llama: the GPT's learned positions, tied head
+    "model.rope_base": 10000.0,
+    "model.tie_embeddings": True,
+    "data.dtype": "uint16",  # from before uint32 token files
 }
 # Keys whose change does nothing while another key is 0 on both sides: which tensors get no weight
 # decay, when nothing decays (then there is one param group either way).
@@ -180,7 +186,8 @@ def schedule_horizon(config: dict) -> int:
 
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
-    old, new = {**IMPLIED_BY_OLDER_CHECKPOINTS, **_flatten(saved)}, _flatten(current)
+    new = _flatten(current)
+    old = {**{k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k in new}, **_flatten(saved)}
     if "sched.total_steps" in new and "sched.total_steps" not in old:
         old["sched.total_steps"] = schedule_horizon(saved)
     other = [key for key in IDENTITY if old.get(key) != new.get(key)]

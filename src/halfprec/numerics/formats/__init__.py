@@ -13,6 +13,8 @@ has an infinity, and E8M0's only special value is NaN, so an overflow stays visi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,10 +98,11 @@ def quantize(
     tile: bool = False,
     scale_rule: str = "floor",
     count_saturated: bool = False,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fake_quantize's values and, with `count_saturated`, how many values saturated (past the
     element's largest value once divided by their block's scale, so clamped to it; else 0): a 0-dim
-    tensor on x's device, not read back."""
+    tensor on x's device, not read back. `compiled`: through compiled_quantizer, the same values."""
     fmt = format_named(name)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
@@ -108,8 +111,29 @@ def quantize(
     if scale_rule not in SCALE_RULES or (scale_rule != "floor" and fmt.scale != "e8m0"):
         raise ValueError(f"scale_rule={scale_rule!r}: floor or rceil, for the MX formats' E8M0 scales")
     size = fmt.tile if tile and fmt.tile else fmt.block
+    bits = random_bits(x, generator) if rounding == "stochastic" else None
+    core = compiled_quantizer() if compiled else quantize_blocks
+    return core(x, name, axis, size, tile, bits, scale_rule, count_saturated)
+
+
+def random_bits(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A random int16 per value of `x` (x's shape, x's order), for stochastic rounding: drawn as
+    int32s, each giving two (random_ leaves an int32's sign bit clear: the low half's top bit is
+    random, the high half's 0; Element.stochastic keeps 15 bits of each). Drawn before the values
+    are blocked, outside the compiled quantizer: the same draws whichever path rounds them."""
+    count = x.numel()
+    bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=x.device).random_(generator=generator)
+    return bits.view(torch.int16)[:count].view(x.shape)
+
+
+def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile: bool, bits: torch.Tensor | None,
+                    scale_rule: str, count_saturated: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`quantize` past its checks: x blocked, scaled, rounded (stochastically with `bits`) and back."""
+    fmt = FORMATS[name]
     blocks, layout = view(x.float(), axis, size, tile)
-    parts = chunks(blocks) if blocks.device.type == "cpu" else [slice(None)]
+    noise = None if bits is None else view(bits, axis, size, tile)[0]
+    whole = blocks.device.type != "cpu" or torch.compiler.is_compiling()
+    parts = [slice(None)] if whole else chunks(blocks)
     amax = torch.cat([blocks[p].abs().amax(dim=1, keepdim=True) for p in parts])  # NaN or inf where a block holds one
     finite = amax.isfinite()
     scale = block_scales(fmt, torch.where(finite, amax, 0.0), scale_rule)
@@ -122,12 +146,23 @@ def quantize(
         scaled = blocks[p] / divisor[p]
         if count_saturated:
             saturated += (scaled.abs() > fmt.element.max).sum()
-        if rounding == "nearest":
-            rounded = fmt.element.nearest(scaled)
-        else:
-            rounded = fmt.element.stochastic(scaled, generator)
+        rounded = fmt.element.nearest(scaled) if noise is None else fmt.element.stochastic(scaled, noise[p])
         torch.mul(rounded, back[p], out=values[p])
     return restore(values, layout).to(x.dtype), saturated
+
+
+@functools.cache
+def compiled_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """quantize_blocks through torch.compile: one fused kernel (C++ on a CPU, Triton on a GPU) where
+    the eager code launches an op at a time (85 on a GPU), the values the same bit for bit. Shapes
+    static: inductor's CPU loops over a padded or transposed view with symbolic sizes were not
+    vectorized (5-10x slower than static ones), so each (format, axis, shape) compiles once, a few
+    seconds each. Dynamo keeps 8 compiled versions of a function by default and then runs it eagerly
+    with a warning: a GPT's quantized layers use a few dozen, so the limit is raised to 256."""
+    import torch._dynamo  # 1-2 s of imports: only for a run that compiles its quantizers
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    return torch.compile(quantize_blocks, dynamic=False)
 
 
 def chunks(blocks: torch.Tensor, values: int = CHUNK) -> list[slice]:

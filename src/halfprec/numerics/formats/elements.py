@@ -79,20 +79,17 @@ class Element:
         # in place past the first op: a fresh large tensor per op cost a third more (page faults)
         return x.div(step).round_().mul_(step).clamp_(-self.max, self.max)
 
-    def stochastic(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def stochastic(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         """fp32 -> one of the two values around it, the upper with probability (|x| - lo) / (hi - lo),
         so that the expected value is x; saturating at +-max. Finite inputs only. By hand: no library
         rounds stochastically onto these grids.
 
-        floor(|x| / gap + u), u uniform on the 2^15 multiples of 2^-15 in [0, 1): the probability is
-        exact to 2^-15 of a gap (hardware draws a few random bits per value too). 15 bits because
-        one 32-bit draw gives two values (the 16-bit halves, their top bit masked: random_ leaves
-        an int32's sign bit clear), where torch.rand spent a draw on each: 3.5x faster on a CPU."""
+        floor(|x| / gap + u), u uniform on the 2^15 multiples of 2^-15 in [0, 1), from the low 15
+        bits of `bits` (an integer tensor of x's shape, formats.random_bits): the probability is
+        exact to 2^-15 of a gap (hardware draws a few random bits per value too)."""
         size = x.abs().clamp(max=self.max)
         step = self.spacing(size)
-        count = x.numel()
-        bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=x.device).random_(generator=generator)
-        u = torch.mul(bits.view(torch.int16)[:count].view(x.shape) & 0x7FFF, 2.0**-15)
+        u = torch.mul(bits & 0x7FFF, 2.0**-15)
         return size.div_(step).add_(u).floor_().mul_(step).copysign_(x)
 
 
