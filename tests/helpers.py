@@ -70,6 +70,16 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp32 tensors equal bit for bit (signed zeros included), NaN where NaN: a NaN's sign and payload
+    are not values (x86 gives inf/inf a negative NaN, and which of two NaN operands a multiply returns
+    is the compiler's choice of operand order)."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    return torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan])
+
+
 def batch(n: int, seed: int = 0, shape=(1, 8, 8), classes: int = 10):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)

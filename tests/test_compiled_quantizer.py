@@ -13,7 +13,7 @@ from halfprec.numerics.policy import quantizer_for
 from halfprec.numerics.quantized import QuantizedLinear, Recipe
 from halfprec.training.build import build
 
-from helpers import compose_cfg
+from helpers import compose_cfg, same_bits
 
 
 def awkward(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
@@ -27,18 +27,13 @@ def awkward(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return x
 
 
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit, NaN where NaN."""
-    return torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
 def check_both_ways(x: torch.Tensor, name: str, axis: int, tile: bool, rounding: str) -> None:
     """The compiled and the eager quantizer on `x`, from generators in the same state."""
     eager, compiled = (
         quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, count_saturated=True, compiled=c)
         for c in (False, True)
     )
-    assert same(compiled[0], eager[0]), (name, axis, tile, rounding)
+    assert same_bits(compiled[0], eager[0]), (name, axis, tile, rounding)
     assert torch.equal(compiled[1], eager[1]), (name, axis, tile, rounding)
 
 
@@ -92,8 +87,8 @@ def test_a_quantized_layer_with_compiled_quantizers_computes_what_the_eager_one_
             results.append((y.detach(), xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
             layer.weight.grad = layer.bias.grad = None
     for eager, compiled in zip(results[:2], results[2:]):
-        assert all(same(e, c) for e, c in zip(eager, compiled))
-    assert not same(results[0][1], results[1][1])  # the second pass drew other bits
+        assert all(same_bits(e, c) for e, c in zip(eager, compiled))
+    assert not same_bits(results[0][1], results[1][1])  # the second pass drew other bits
 
 
 def test_precision_quantizer_auto_compiles_on_a_gpu_alone_and_reaches_every_layer():

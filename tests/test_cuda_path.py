@@ -77,3 +77,28 @@ def test_the_cpus_chunks_give_the_values_of_the_whole_tensor_bit_for_bit(name, m
     chunked = fake_quantize(x, name)
     monkeypatch.setattr(formats, "chunks", lambda blocks, values=formats.CHUNK: [slice(None)])
     assert torch.equal(fake_quantize(x, name), chunked)
+
+
+def mx_layer_gemms(fmt: str) -> list[tuple[str, list[torch.dtype]]]:
+    """The GEMMs of a 768 -> 3072 layer in `fmt`, forward and backward, on fake CUDA tensors."""
+    with FakeTensorMode():
+        layer = QuantizedLinear(768, 3072, False, fmt, Recipe(), 1, device="cuda")
+        x = torch.empty(512, 768, device="cuda", requires_grad=True)
+        with Ops() as ops:
+            y = layer(x)
+            with torch.no_grad():
+                y.grad_fn.apply(torch.empty_like(y))
+    return [(op, dtypes) for op, dtypes in ops.seen if op.startswith("aten.mm")]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxint8"])
+def test_an_mx_layers_three_gemms_take_bf16_operands_on_a_gpu(fmt):
+    """MX values are exact in bf16 (tests/test_formats.py): on a GPU the forward, dx and dW GEMMs run
+    on bf16 operands with an fp32 output (tensor cores), where fp32 operands took none."""
+    assert mx_layer_gemms(fmt) == [("aten.mm.dtype", [torch.bfloat16, torch.bfloat16])] * 3
+
+
+def test_formats_whose_values_bf16_does_not_hold_keep_fp32_gemm_operands():
+    """NVFP4's and fp8's fp32 scales make element x scale a 24-bit number: bf16 would round it."""
+    assert mx_layer_gemms("nvfp4") == [("aten.mm.default", [torch.float32, torch.float32])] * 3
+    assert mx_layer_gemms("fp8_e4m3") == [("aten.mm.default", [torch.float32, torch.float32])] * 3

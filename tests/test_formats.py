@@ -251,3 +251,16 @@ def test_the_random_hadamard_transform_is_orthogonal_and_leaves_a_gemm_unchanged
     assert torch.allclose(dw, dy.T @ x, atol=1e-5)
     with pytest.raises(ValueError, match="a multiple of 16"):
         rotate(torch.zeros(40, 3), q, axis=0)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_bf16_holds_the_mx_formats_values_exactly_and_not_the_fp32_scaled_ones(name):
+    """What lets an MX layer's GEMMs take bf16 operands on a GPU (QuantizedLinear's `gemm`): every
+    value an MX format gives, over magnitudes from 1e-30 to 1e30, survives a cast to bf16; an fp32
+    scale (fp8, NVFP4's tensor scale) makes element x scale a number bf16 rounds."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4096, generator=g) * torch.logspace(-30, 30, 4096)
+    for rounding in ("nearest", "stochastic"):
+        q = fake_quantize(x, name, rounding=rounding, generator=g)
+        exact = torch.equal(q.bfloat16().float(), q)
+        assert exact == FORMATS[name].exact_in_bf16 == (FORMATS[name].scale == "e8m0"), (name, rounding)

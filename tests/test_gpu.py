@@ -9,7 +9,7 @@ import torch
 from halfprec.training.perf import peak_tflops
 from halfprec.training.run import run
 
-from helpers import DTYPES, batch, build_from, compose_cfg, step, torchrun
+from helpers import DTYPES, batch, build_from, compose_cfg, same_bits, step, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -144,4 +144,20 @@ def test_the_compiled_quantizer_on_cuda_gives_the_eager_values_bit_for_bit(name)
                     ]
                     for c in (False, True)
                 )
-                assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32)), (tile, axis, rounding)
+                assert same_bits(eager, compiled), (tile, axis, rounding)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "mxint8"])
+def test_an_mx_layers_gemms_take_bf16_operands_and_give_the_fp32_products(name):
+    """quantized.gemm on a GPU: bf16 operands (exact for MX values), fp32 output; the same products
+    as fp32 operands, so only the order of the fp32 sums may differ."""
+    from halfprec.numerics.formats import fake_quantize
+    from halfprec.numerics.quantized import gemm
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (fake_quantize(torch.randn(512, 1024, device="cuda", generator=g), name) for _ in range(2))
+    assert torch.equal(a.bfloat16().float(), a)
+    narrow, wide, exact = gemm(a, b.T, True), gemm(a, b.T, False), (a.double() @ b.double().T)
+    assert narrow.dtype == torch.float32
+    assert (narrow.double() - exact).abs().max() <= (wide.double() - exact).abs().max() * 4 + 1e-4

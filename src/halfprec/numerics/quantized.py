@@ -9,8 +9,9 @@ For y = x W^T + b (x: tokens x in, W: out x in), as block-scaled tensor cores do
 
 each operand blocked along the dimension its GEMM contracts: the same tensor is re-blocked along
 another axis for another GEMM (square weight blocks give W one set of values for both). The
-dequantized operands are multiplied in fp32, as the hardware multiplies them exactly and
-accumulates in fp32, and the output comes back in the autocast dtype (or the input's). Operands are
+dequantized operands are multiplied exactly with fp32 accumulation, as the hardware does (fp32
+operands; on a GPU bf16 ones where bf16 holds every value, the MX formats': `gemm`), and the
+output comes back in the autocast dtype (or the input's). Operands are
 quantized from the values they hold: the fp32 weight, the input as the layer before gave it.
 """
 
@@ -69,6 +70,8 @@ class QuantizedLinear(nn.Linear):
         self.format, self.recipe, self.seed = fmt, recipe, seed
         self.compiled = compiled  # the quantizer through torch.compile (formats.compiled_quantizer)
         self.grad_format = recipe.grad_format or fmt
+        # both formats' values exact in bf16: the GEMMs may take bf16 operands (gemm)
+        self.narrow_gemms = FORMATS[fmt].exact_in_bf16 and FORMATS[self.grad_format].exact_in_bf16
         self.backward_passes = 0
         self.stats: dict[str, torch.Tensor] | None = None
         self.hadamard_matrix: torch.Tensor | None = None
@@ -153,7 +156,8 @@ class QuantizedMatmul(torch.autograd.Function):
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         flat = x.reshape(-1, x.shape[-1])
         with torch.autocast(device, enabled=False):  # the product of the quantized values, in fp32
-            y = layer.quantize(flat, "input", -1, record=True) @ layer.quantize(weight, "weight", -1, record=True).T
+            xq, wq = layer.quantize(flat, "input", -1, record=True), layer.quantize(weight, "weight", -1, record=True)
+            y = gemm(xq, wq.T, layer.narrow_gemms)
             if bias is not None:
                 y = y + bias.float()
         # the operands as they came: the backward GEMMs block them along other axes
@@ -170,15 +174,26 @@ class QuantizedMatmul(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dyq = layer.quantize(dy, "grad_output", -1, gen, record=True)
-            dx = (dyq @ layer.quantize(weight, "weight", 0)).to(flat.dtype).reshape(ctx.shape)
+            dx = gemm(dyq, layer.quantize(weight, "weight", 0), layer.narrow_gemms).to(flat.dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             g, x = layer.weight_grad_operands(dy, flat)
             first = not ctx.needs_input_grad[0]  # the layer's statistics of dy, if dx took none
-            dw = layer.quantize(g, "grad_output", 0, gen, record=first).T @ layer.quantize(x, "input", 0)
+            dyq = layer.quantize(g, "grad_output", 0, gen, record=first)
+            dw = gemm(dyq.T, layer.quantize(x, "input", 0), layer.narrow_gemms)
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.sum(0).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
         return dx, dw, db, None
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, narrow: bool) -> torch.Tensor:
+    """a @ b of quantized operands, in fp32. On a GPU, operands whose values bf16 holds exactly (both
+    formats MX: `narrow`) go in as bf16 with an fp32 output (mm's out_dtype): tensor cores, fp32
+    accumulation, the same products, as block-scaled hardware computes them. Elsewhere fp32
+    operands: a CPU's bf16 GEMMs write bf16, one rounding more."""
+    if narrow and a.device.type == "cuda":
+        return torch.mm(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
+    return a @ b
 
 
 def keep_eager(model: nn.Module) -> None:

@@ -39,6 +39,14 @@ class Format:
     tile: int | None = None
 
     @property
+    def exact_in_bf16(self) -> bool:
+        """Whether bf16 holds every value exactly: an MX value is an element of at most 8 significant
+        bits (INT8's 7, E4M3's 4) times a power of two, within bf16's exponent range as within fp32's
+        (bf16's subnormals are coarser: a block whose largest value is below ~1e-35 can lose its
+        smallest values). Not an fp32 scale's (fp8, NVFP4): element times scale takes up to 24 bits."""
+        return self.scale == "e8m0" and (self.element.bits - self.element.ebits) <= 8
+
+    @property
     def bits(self) -> float:
         """Bits per value, the block scales included (MXFP8 and MXINT8 8.25, MXFP4 4.25, NVFP4 4.5)."""
         per_block = SCALE_BITS[self.scale] / self.block if isinstance(self.block, int) else 0.0
