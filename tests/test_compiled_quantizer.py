@@ -28,13 +28,15 @@ def awkward(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
 
 
 def check_both_ways(x: torch.Tensor, name: str, axis: int, tile: bool, rounding: str) -> None:
-    """The compiled and the eager quantizer on `x`, from generators in the same state."""
+    """The compiled and the eager quantizer on `x`, from generators in the same state, as a layer calls
+    them (the scale its GEMM applies to the output split off)."""
     eager, compiled = (
-        quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, count_saturated=True, compiled=c)
+        quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, "floor", True, c, split=True)
         for c in (False, True)
     )
-    assert same_bits(compiled[0], eager[0]), (name, axis, tile, rounding)
-    assert torch.equal(compiled[1], eager[1]), (name, axis, tile, rounding)
+    assert same_bits(compiled.values, eager.values), (name, axis, tile, rounding)
+    assert (compiled.factor is None and eager.factor is None) or same_bits(compiled.factor, eager.factor)
+    assert torch.equal(compiled.saturated, eager.saturated), (name, axis, tile, rounding)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +59,8 @@ def kernels(shape: tuple[int, int], name: str, tile: bool) -> int:
     """How many kernels inductor wrote for one quantize of a tensor of `shape` (shapes are static:
     each size compiles anew)."""
     x = torch.randn(shape)
-    _, code = run_and_get_code(compiled_quantizer(), x, name, -1, FORMATS[name].block, tile, None, "floor", False)
+    args = (name, -1, FORMATS[name].block, tile, None, "floor", False, False)
+    _, code = run_and_get_code(compiled_quantizer(), x, *args)
     return "\n".join(code).count('extern "C"')
 
 

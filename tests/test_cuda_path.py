@@ -64,8 +64,8 @@ def test_a_quantized_layers_forward_and_backward_launch_as_many_ops_at_any_batch
     """36,461 ops at 8192 tokens on main before this test; now a few hundred, at any number of tokens."""
     small, large = layer_ops(256), layer_ops(8192)
     assert len(small) == len(large) < 800
-    gemms = [op for op, _ in large if op in ("aten.mm.default", "aten.bmm.default")]
-    assert gemms.count("aten.mm.default") == 3  # forward, dx, dW
+    gemms = [op for op, _ in large if op in ("aten.mm.dtype", "aten.bmm.default")]
+    assert gemms.count("aten.mm.dtype") == 3  # forward, dx, dW: bf16 operands, fp32 output
     assert gemms.count("aten.bmm.default") == 2  # the Hadamard rotation of dW's two operands, 16 tokens at a time
 
 
@@ -79,7 +79,7 @@ def test_the_cpus_chunks_give_the_values_of_the_whole_tensor_bit_for_bit(name, m
     assert torch.equal(fake_quantize(x, name), chunked)
 
 
-def mx_layer_gemms(fmt: str) -> list[tuple[str, list[torch.dtype]]]:
+def layer_gemms(fmt: str) -> list[tuple[str, list[torch.dtype]]]:
     """The GEMMs of a 768 -> 3072 layer in `fmt`, forward and backward, on fake CUDA tensors."""
     with FakeTensorMode():
         layer = QuantizedLinear(768, 3072, False, fmt, Recipe(), 1, device="cuda")
@@ -91,14 +91,15 @@ def mx_layer_gemms(fmt: str) -> list[tuple[str, list[torch.dtype]]]:
     return [(op, dtypes) for op, dtypes in ops.seen if op.startswith("aten.mm")]
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxint8"])
-def test_an_mx_layers_three_gemms_take_bf16_operands_on_a_gpu(fmt):
-    """MX values are exact in bf16 (tests/test_formats.py): on a GPU the forward, dx and dW GEMMs run
-    on bf16 operands with an fp32 output (tensor cores), where fp32 operands took none."""
-    assert mx_layer_gemms(fmt) == [("aten.mm.dtype", [torch.bfloat16, torch.bfloat16])] * 3
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxint8", "nvfp4", "fp8_e4m3", "fp8_e5m2_row"])
+def test_a_layers_three_gemms_take_bf16_operands_on_a_gpu(fmt):
+    """bf16 holds every GEMM operand value, the per-tensor and per-row scales split off
+    (tests/test_formats.py): on a GPU the forward, dx and dW GEMMs run on bf16 operands with an fp32
+    output (tensor cores), where fp32 operands took none."""
+    assert layer_gemms(fmt) == [("aten.mm.dtype", [torch.bfloat16, torch.bfloat16])] * 3
 
 
-def test_formats_whose_values_bf16_does_not_hold_keep_fp32_gemm_operands():
-    """NVFP4's and fp8's fp32 scales make element x scale a 24-bit number: bf16 would round it."""
-    assert mx_layer_gemms("nvfp4") == [("aten.mm.default", [torch.float32, torch.float32])] * 3
-    assert mx_layer_gemms("fp8_e4m3") == [("aten.mm.default", [torch.float32, torch.float32])] * 3
+def test_1x128_blocks_keep_fp32_gemm_operands():
+    """fp8_block's fp32 scale per 128 values along the contraction cannot leave the operand: element x
+    scale is a 24-bit number, which bf16 would round."""
+    assert layer_gemms("fp8_block") == [("aten.mm.default", [torch.float32, torch.float32])] * 3

@@ -13,6 +13,7 @@ from torch import nn
 from halfprec.config import validate
 from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
+from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
 from halfprec.numerics.layers import HIGH, Rule, plan_layers, swap_emulated
@@ -23,6 +24,13 @@ from halfprec.training.run import run
 from helpers import compose_cfg
 
 GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
+
+
+def sq(t: torch.Tensor, name: str, axis: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """t's values in `name` with the scale the hardware applies to a GEMM's output split off
+    (NVFP4's tensor scale, fp8's per tensor or per row), and that scale (1 where there is none)."""
+    q = quantize(t, name, axis, split=True, **kwargs)
+    return q.values, torch.ones(()) if q.factor is None else q.factor
 
 
 def layer_and_grads(fmt: str, recipe: Recipe, tokens: int = 12, seed: int = 0):
@@ -48,18 +56,30 @@ def layer_and_grads(fmt: str, recipe: Recipe, tokens: int = 12, seed: int = 0):
     ],
 )
 def test_each_gemm_quantizes_its_operands_along_the_dimension_it_contracts(fmt, recipe):
+    """Each GEMM as the hardware computes it: the operands' values multiplied, then the per-tensor or
+    per-row scales applied to the fp32 output."""
     layer, x, w, dy, y, dx = layer_and_grads(fmt, recipe)
     g = recipe.grad_format or fmt
     rule = {"scale_rule": recipe.scale_rule} if fmt.startswith("mx") else {}
     tile = recipe.weight_2d
     # y = x W^T: x and W blocked along `in`; dx = dy W: dy and W along `out`; dW = dy^T x: along the tokens
-    expected_y = fq(x, fmt, -1, **rule) @ fq(w, fmt, -1, tile=tile, **rule).T + layer.bias.detach()
-    expected_dx = fq(dy, g, -1, **rule) @ fq(w, fmt, 0, tile=tile, **rule)
-    expected_dw = fq(dy, g, 0, **rule).T @ fq(x, fmt, 0, **rule)
+    (vx, fx), (vw, fw) = sq(x, fmt, -1, **rule), sq(w, fmt, -1, tile=tile, **rule)
+    expected_y = (vx @ vw.T) * (fx * fw.t()) + layer.bias.detach()
+    (vdy, fdy), (vw0, fw0) = sq(dy, g, -1, **rule), sq(w, fmt, 0, tile=tile, **rule)
+    expected_dx = (vdy @ vw0) * (fdy * fw0)
+    (vdy0, fdy0), (vx0, fx0) = sq(dy, g, 0, **rule), sq(x, fmt, 0, **rule)
+    expected_dw = (vdy0.T @ vx0) * (fdy0.t() * fx0)
     assert torch.equal(y.reshape(-1, 48), expected_y)
     assert torch.equal(dx.reshape(-1, 32), expected_dx)
     assert torch.equal(layer.weight.grad, expected_dw)
     assert torch.equal(layer.bias.grad, dy.sum(0))  # a sum, no GEMM: not quantized
+    # the product of the dequantized values: the same where no scale is split off (MX, 1x128 blocks);
+    # else a rounding per value apart (element x fp32 scale rounded before the GEMM)
+    dequantized = fq(x, fmt, -1, **rule) @ fq(w, fmt, -1, tile=tile, **rule).T + layer.bias.detach()
+    if FORMATS[fmt].factor is None:
+        assert torch.equal(y.reshape(-1, 48), dequantized)
+    else:
+        torch.testing.assert_close(y.reshape(-1, 48), dequantized, rtol=1e-5, atol=1e-5)
 
 
 def test_the_hadamard_transform_rotates_both_weight_gradient_operands_alone():
@@ -71,7 +91,8 @@ def test_the_hadamard_transform_rotates_both_weight_gradient_operands_alone():
     h = random_hadamard(16, torch.Generator().manual_seed(7))
     pad = torch.zeros(4, 48), torch.zeros(4, 32)
     a, b = rotate(torch.cat([dy, pad[0]]), h, 0), rotate(torch.cat([x, pad[1]]), h, 0)
-    assert torch.equal(layer.weight.grad, fq(a, "nvfp4", 0).T @ fq(b, "nvfp4", 0))
+    (va, fa), (vb, fb) = sq(a, "nvfp4", 0), sq(b, "nvfp4", 0)
+    assert torch.equal(layer.weight.grad, (va.T @ vb) * (fa * fb))
     assert torch.allclose(a.T @ b, dy.T @ x, atol=1e-5)  # orthogonal: the exact GEMM is unchanged
     assert not torch.equal(layer.weight.grad, plain[0].weight.grad)
 

@@ -8,17 +8,19 @@ For y = x W^T + b (x: tokens x in, W: out x in), as block-scaled tensor cores do
     weight grad    dW = q(dy along tokens)^T q(x along tokens)
 
 each operand blocked along the dimension its GEMM contracts: the same tensor is re-blocked along
-another axis for another GEMM (square weight blocks give W one set of values for both). The
-dequantized operands are multiplied exactly with fp32 accumulation, as the hardware does (fp32
-operands; on a GPU bf16 ones where bf16 holds every value, the MX formats': `gemm`), and the
-output comes back in the autocast dtype (or the input's). Operands are
-quantized from the values they hold: the fp32 weight, the input as the layer before gave it.
+another axis for another GEMM (square weight blocks give W one set of values for both). As the
+hardware computes: the operands' values (elements times their block scales) multiplied exactly with
+fp32 accumulation, and the scales per tensor (NVFP4's, fp8 tensorwise) or per row (fp8 rowwise)
+applied to the fp32 output (`Operand`, `gemm`); bf16 operands on a GPU wherever bf16 holds the
+values (every format but fp8_block's 1x128 blocks), fp32 ones elsewhere. The output comes back in
+the autocast dtype (or the input's). Operands are quantized from the values they hold: the fp32
+weight, the input as the layer before gave it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +72,6 @@ class QuantizedLinear(nn.Linear):
         self.format, self.recipe, self.seed = fmt, recipe, seed
         self.compiled = compiled  # the quantizer through torch.compile (formats.compiled_quantizer)
         self.grad_format = recipe.grad_format or fmt
-        # both formats' values exact in bf16: the GEMMs may take bf16 operands (gemm)
-        self.narrow_gemms = FORMATS[fmt].exact_in_bf16 and FORMATS[self.grad_format].exact_in_bf16
         self.backward_passes = 0
         self.stats: dict[str, torch.Tensor] | None = None
         self.hadamard_matrix: torch.Tensor | None = None
@@ -99,19 +99,20 @@ class QuantizedLinear(nn.Linear):
         self.backward_passes = int(state["backward_passes"])
 
     def quantize(self, t: torch.Tensor, operand: str, axis: int, generator: torch.Generator | None = None,
-                 record: bool = False) -> torch.Tensor:  # fmt: skip
-        """`t` (an `operand` of OPERANDS) blocked along `axis` in the layer's format for it, in fp32;
-        `record`: add its statistics to `stats` when they are kept."""
+                 record: bool = False) -> Operand:  # fmt: skip
+        """`t` (an `operand` of OPERANDS) blocked along `axis` in the layer's format for it, in fp32,
+        its outer scale split off for the GEMM's output (Format.factor); `record`: add its
+        statistics to `stats` when they are kept."""
         name = self.grad_format if operand == "grad_output" else self.format
         rule = self.recipe.scale_rule if FORMATS[name].scale == "e8m0" else "floor"
         tile = self.recipe.weight_2d and operand == "weight"
         rounding = "nearest" if generator is None else "stochastic"
         counting = record and self.stats is not None
         t = t.float()  # a copy for bf16 operands: made once, for the quantizer and the statistics
-        q, saturated = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled)
+        q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=True)
         if counting:
-            self.record(operand, t, q, saturated)
-        return q
+            self.record(operand, t, q.values if q.factor is None else q.values * q.factor, q.saturated)
+        return Operand(q.values, q.factor, FORMATS[name].exact_in_bf16)
 
     @torch.no_grad()
     def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
@@ -157,7 +158,7 @@ class QuantizedMatmul(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         with torch.autocast(device, enabled=False):  # the product of the quantized values, in fp32
             xq, wq = layer.quantize(flat, "input", -1, record=True), layer.quantize(weight, "weight", -1, record=True)
-            y = gemm(xq, wq.T, layer.narrow_gemms)
+            y = gemm(xq, wq.t())
             if bias is not None:
                 y = y + bias.float()
         # the operands as they came: the backward GEMMs block them along other axes
@@ -174,26 +175,44 @@ class QuantizedMatmul(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dyq = layer.quantize(dy, "grad_output", -1, gen, record=True)
-            dx = gemm(dyq, layer.quantize(weight, "weight", 0), layer.narrow_gemms).to(flat.dtype).reshape(ctx.shape)
+            dx = gemm(dyq, layer.quantize(weight, "weight", 0)).to(flat.dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             g, x = layer.weight_grad_operands(dy, flat)
             first = not ctx.needs_input_grad[0]  # the layer's statistics of dy, if dx took none
             dyq = layer.quantize(g, "grad_output", 0, gen, record=first)
-            dw = gemm(dyq.T, layer.quantize(x, "input", 0), layer.narrow_gemms)
+            dw = gemm(dyq.t(), layer.quantize(x, "input", 0))
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.sum(0).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
         return dx, dw, db, None
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, narrow: bool) -> torch.Tensor:
-    """a @ b of quantized operands, in fp32. On a GPU, operands whose values bf16 holds exactly (both
-    formats MX: `narrow`) go in as bf16 with an fp32 output (mm's out_dtype): tensor cores, fp32
-    accumulation, the same products, as block-scaled hardware computes them. Elsewhere fp32
+class Operand(NamedTuple):
+    """A GEMM operand in a format: `values` times `factor` (None: 1) are its quantized values; the
+    GEMM multiplies `values` and applies the factors to its output, as the hardware applies NVFP4's
+    tensor scales and fp8's tensorwise and rowwise ones. `bf16`: bf16 holds every value exactly."""
+
+    values: torch.Tensor
+    factor: torch.Tensor | None
+    bf16: bool
+
+    def t(self) -> Operand:
+        return Operand(self.values.T, None if self.factor is None else self.factor.t(), self.bf16)
+
+
+def gemm(a: Operand, b: Operand) -> torch.Tensor:
+    """a @ b in fp32: the product of the values with fp32 accumulation, times the two factors (their
+    product first, as cuBLAS takes one alpha). On a GPU, where bf16 holds both operands' values, they
+    go in as bf16 with an fp32 output (mm's out_dtype): tensor cores, the same products. Elsewhere fp32
     operands: a CPU's bf16 GEMMs write bf16, one rounding more."""
-    if narrow and a.device.type == "cuda":
-        return torch.mm(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
-    return a @ b
+    if a.bf16 and b.bf16 and a.values.device.type == "cuda":
+        y = torch.mm(a.values.bfloat16(), b.values.bfloat16(), out_dtype=torch.float32)
+    else:
+        y = a.values @ b.values
+    factors = [f for f in (a.factor, b.factor) if f is not None]
+    if not factors:
+        return y
+    return y * (factors[0] if len(factors) == 1 else factors[0] * factors[1])
 
 
 def keep_eager(model: nn.Module) -> None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from halfprec.numerics.formats import scales
-from halfprec.numerics.formats.blocks import restore, view
+from halfprec.numerics.formats.blocks import Blocks, restore, view
 from halfprec.numerics.formats.elements import ELEMENTS, Element
 
 SCALE_BITS = {"fp32": 32, "e8m0": 8, "nvfp4": 8}
@@ -39,12 +40,24 @@ class Format:
     tile: int | None = None
 
     @property
+    def factor(self) -> str | None:
+        """The part of the scale a GEMM can apply to its fp32 output instead of to each operand value,
+        as the hardware does: "tensor" (NVFP4's tensor scale, fp8 tensorwise) or "row" (fp8 rowwise:
+        a scale per row along the contraction); None where each block has its own (MX, 1x128)."""
+        if self.scale == "nvfp4" or (self.scale == "fp32" and self.block == "tensor"):
+            return "tensor"
+        return "row" if self.scale == "fp32" and self.block == "row" else None
+
+    @property
     def exact_in_bf16(self) -> bool:
-        """Whether bf16 holds every value exactly: an MX value is an element of at most 8 significant
-        bits (INT8's 7, E4M3's 4) times a power of two, within bf16's exponent range as within fp32's
-        (bf16's subnormals are coarser: a block whose largest value is below ~1e-35 can lose its
-        smallest values). Not an fp32 scale's (fp8, NVFP4): element times scale takes up to 24 bits."""
-        return self.scale == "e8m0" and (self.element.bits - self.element.ebits) <= 8
+        """Whether bf16 holds every GEMM operand value exactly, the factor split off (quantize's
+        `split`): an MX value is an element of at most 8 significant bits (INT8's 7, E4M3's 4) times
+        a power of two; an NVFP4 one an E2M1 element times its E4M3 block scale (at most 6 bits);
+        fp8's, its element alone. Not 1x128 blocks' (fp8_block): element times an fp32 scale takes up
+        to 24 bits. bf16's range is fp32's (its subnormals are coarser: an MX block whose largest
+        value is below ~1e-35 can lose its smallest values)."""
+        significant = self.element.bits - self.element.ebits
+        return (self.scale == "e8m0" and significant <= 8) or self.factor is not None
 
     @property
     def bits(self) -> float:
@@ -93,8 +106,15 @@ def fake_quantize(
             fp8_block 128x128, nvfp4 16x16.
         scale_rule: the MX formats' E8M0 scale: "floor" (OCP MX v1.0) or "rceil" (cuBLAS).
     """
-    values, _ = quantize(x, name, axis, rounding, generator, tile, scale_rule)
-    return values
+    return quantize(x, name, axis, rounding, generator, tile, scale_rule).values
+
+
+class Quantized(NamedTuple):
+    """quantize's result: `values` times `factor` (None: 1) are the format's values."""
+
+    values: torch.Tensor
+    factor: torch.Tensor | None  # with `split`: Format.factor's scale, 0-dim or 1 along the axis
+    saturated: torch.Tensor  # values past the element's largest once scaled (0-dim; 0 uncounted)
 
 
 def quantize(
@@ -107,10 +127,13 @@ def quantize(
     scale_rule: str = "floor",
     count_saturated: bool = False,
     compiled: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fake_quantize's values and, with `count_saturated`, how many values saturated (past the
-    element's largest value once divided by their block's scale, so clamped to it; else 0): a 0-dim
-    tensor on x's device, not read back. `compiled`: through compiled_quantizer, the same values."""
+    split: bool = False,
+) -> Quantized:
+    """fake_quantize's values; with `count_saturated`, how many values saturated (past the
+    element's largest value once divided by their block's scale, so clamped to it): a 0-dim tensor
+    on x's device, not read back. `compiled`: through compiled_quantizer, the same values.
+    `split`: the values without the part of their scale a GEMM applies to its output
+    (Format.factor), and that part as `factor`, shaped to broadcast against them."""
     fmt = format_named(name)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
@@ -120,8 +143,8 @@ def quantize(
         raise ValueError(f"scale_rule={scale_rule!r}: floor or rceil, for the MX formats' E8M0 scales")
     size = fmt.tile if tile and fmt.tile else fmt.block
     bits = random_bits(x, generator) if rounding == "stochastic" else None
-    core = compiled_quantizer() if compiled else quantize_blocks
-    return core(x, name, axis, size, tile, bits, scale_rule, count_saturated)
+    core, split = compiled_quantizer() if compiled else quantize_blocks, split and fmt.factor is not None
+    return Quantized(*core(x, name, axis, size, tile, bits, scale_rule, count_saturated, split))
 
 
 def random_bits(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -135,7 +158,8 @@ def random_bits(x: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
 
 
 def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile: bool, bits: torch.Tensor | None,
-                    scale_rule: str, count_saturated: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    scale_rule: str, count_saturated: bool,
+                    split: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """`quantize` past its checks: x blocked, scaled, rounded (stochastically with `bits`) and back."""
     fmt = FORMATS[name]
     blocks, layout = view(x.float(), axis, size, tile)
@@ -144,10 +168,12 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
     parts = [slice(None)] if whole else chunks(blocks)
     amax = torch.cat([blocks[p].abs().amax(dim=1, keepdim=True) for p in parts])  # NaN or inf where a block holds one
     finite = amax.isfinite()
-    scale = block_scales(fmt, torch.where(finite, amax, 0.0), scale_rule)
+    inner, outer = block_scales(fmt, torch.where(finite, amax, 0.0), scale_rule)
+    scale = inner * outer  # exact but for NVFP4's, which divides by the fp32 product as torchao does
     # per block, not per value (the passes over every value are what cost): a block with inf or NaN
     # comes back NaN, one whose NVFP4 scale underflowed E4M3 comes back zeros
-    divisor, back = torch.where(scale > 0, scale, 1.0), torch.where(finite, scale, torch.nan)
+    divisor = torch.where(scale > 0, scale, 1.0)
+    back = torch.where(finite, inner if split else scale, torch.nan)
     values = torch.empty_like(blocks)
     saturated = torch.zeros((), device=x.device)
     for p in parts:
@@ -156,7 +182,8 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
             saturated += (scaled.abs() > fmt.element.max).sum()
         rounded = fmt.element.nearest(scaled) if noise is None else fmt.element.stochastic(scaled, noise[p])
         torch.mul(rounded, back[p], out=values[p])
-    return restore(values, layout).to(x.dtype), saturated
+    factor = outer_factor(outer, layout) if split else None
+    return restore(values, layout).to(x.dtype), factor, saturated
 
 
 @functools.cache
@@ -183,14 +210,24 @@ def chunks(blocks: torch.Tensor, values: int = CHUNK) -> list[slice]:
     return [slice(i, i + rows) for i in range(0, blocks.shape[0], rows)] or [slice(0, 0)]
 
 
-def block_scales(fmt: Format, amax: torch.Tensor, rule: str) -> torch.Tensor:
-    """Each block's scale (fp32), from the largest magnitude of its finite values."""
+def block_scales(fmt: Format, amax: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's scale (fp32), from the largest magnitude of its finite values, as (inner, outer):
+    the scale is inner * outer, outer the part Format.factor names (1 where it names none)."""
     if fmt.scale == "e8m0":
-        return scales.e8m0(amax, fmt.element, rule)
+        return scales.e8m0(amax, fmt.element, rule), amax.new_ones(())
     if fmt.scale == "fp32":
-        return scales.fp32(amax, fmt.element)
+        scale = scales.fp32(amax, fmt.element)
+        return (amax.new_ones(()), scale) if fmt.factor else (scale, amax.new_ones(()))
     tensor, block = scales.nvfp4(amax, amax.max())
-    return block * tensor
+    return block, tensor
+
+
+def outer_factor(outer: torch.Tensor, layout: Blocks) -> torch.Tensor:
+    """The outer scales in the tensor's shape, 1 along the blocked axis: a 0-dim tensor for one per
+    tensor, else one per row of the blocked view ("row" blocks)."""
+    if outer.numel() == 1:
+        return outer.reshape(())
+    return outer.reshape(layout.shape[:-1]).unsqueeze(-1).movedim(-1, layout.axis)
 
 
 def format_named(name: str) -> Format:
