@@ -79,7 +79,7 @@ def test_the_cpus_chunks_give_the_values_of_the_whole_tensor_bit_for_bit(name, m
     assert torch.equal(fake_quantize(x, name), chunked)
 
 
-def layer_gemms(fmt: str) -> list[tuple[str, list[torch.dtype]]]:
+def layer_gemms(fmt: str, prefix: str = "aten.mm") -> list[tuple[str, list[torch.dtype]]]:
     """The GEMMs of a 768 -> 3072 layer in `fmt`, forward and backward, on fake CUDA tensors."""
     with FakeTensorMode():
         layer = QuantizedLinear(768, 3072, False, fmt, Recipe(), 1, device="cuda")
@@ -88,7 +88,7 @@ def layer_gemms(fmt: str) -> list[tuple[str, list[torch.dtype]]]:
             y = layer(x)
             with torch.no_grad():
                 y.grad_fn.apply(torch.empty_like(y))
-    return [(op, dtypes) for op, dtypes in ops.seen if op.startswith("aten.mm")]
+    return [(op, dtypes) for op, dtypes in ops.seen if op.startswith(prefix)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxint8", "nvfp4", "fp8_e4m3", "fp8_e5m2_row"])
@@ -99,7 +99,8 @@ def test_a_layers_three_gemms_take_bf16_operands_on_a_gpu(fmt):
     assert layer_gemms(fmt) == [("aten.mm.dtype", [torch.bfloat16, torch.bfloat16])] * 3
 
 
-def test_1x128_blocks_keep_fp32_gemm_operands():
-    """fp8_block's fp32 scale per 128 values along the contraction cannot leave the operand: element x
-    scale is a 24-bit number, which bf16 would round."""
-    assert layer_gemms("fp8_block") == [("aten.mm.default", [torch.float32, torch.float32])] * 3
+def test_1x128_blocks_multiply_in_one_batched_gemm_of_bf16_operands():
+    """fp8_block's fp32 scales per 128 values of the contraction are applied per chunk: one batched
+    GEMM of 128-long chunks (6 for the 768 inputs, 24 for the 3072 outputs, 4 for 512 tokens)."""
+    gemms = [(op, dtypes) for op, dtypes in layer_gemms("fp8_block", "aten.") if "mm" in op]
+    assert gemms == [("aten.bmm.dtype", [torch.bfloat16, torch.bfloat16])] * 3

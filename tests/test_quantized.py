@@ -82,6 +82,35 @@ def test_each_gemm_quantizes_its_operands_along_the_dimension_it_contracts(fmt, 
         torch.testing.assert_close(y.reshape(-1, 48), dequantized, rtol=1e-5, atol=1e-5)
 
 
+def chunked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """a @ b for 1x128 scales along the contraction, written out: chunk c's product times a's scales
+    of chunk c (one per row) and b's (one per column), the chunks summed in fp32."""
+    (av, af), (bv, bf) = a, b
+    parts = [(av[:, c : c + 128] @ bv[c : c + 128]) * (af[:, i : i + 1] * bf[i : i + 1]) for i, c in
+             enumerate(range(0, av.shape[1], 128))]  # fmt: skip
+    return torch.stack(parts).sum(0)
+
+
+def test_1x128_blocks_scale_each_128_long_chunk_of_the_contraction():
+    """fp8_block as DeepSeek-V3 computes it (each chunk's partial product promoted to fp32 with its
+    scales): 300 inputs, 260 tokens and 40 outputs are 3, 3 and 1 chunks, the last ones padded;
+    the weight in 128x128 tiles."""
+    torch.manual_seed(0)
+    linear = nn.Linear(300, 40, bias=False)
+    layer = QuantizedLinear.from_linear(linear, "fp8_block", Recipe(weight_2d=True), seed=7)
+    leaf = (torch.randn(260, 300) * torch.logspace(-2, 2, 300)).requires_grad_(True)
+    y = layer(leaf)
+    dy = torch.randn_like(y) * torch.logspace(-2, 2, 260)[:, None]
+    y.backward(dy)
+    w, x, y = linear.weight.detach(), leaf.detach(), y.detach()
+    wt, w0 = sq(w, "fp8_block", -1, tile=True), sq(w, "fp8_block", 0, tile=True)
+    assert torch.equal(y, chunked(sq(x, "fp8_block", -1), (wt[0].T, wt[1].T)))
+    assert torch.equal(leaf.grad, chunked(sq(dy, "fp8_block", -1), w0))
+    dy0 = sq(dy, "fp8_block", 0)
+    assert torch.equal(linear.weight.grad, chunked((dy0[0].T, dy0[1].T), sq(x, "fp8_block", 0)))
+    assert not torch.equal(y, fq(x, "fp8_block") @ fq(w, "fp8_block", tile=True).T)  # a rounding per value apart
+
+
 def test_the_hadamard_transform_rotates_both_weight_gradient_operands_alone():
     """dW from the rotated operands (12 tokens padded to 16), the forward and dx untouched; unquantized,
     the rotation would leave dW as it is."""

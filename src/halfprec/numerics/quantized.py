@@ -112,7 +112,9 @@ class QuantizedLinear(nn.Linear):
         q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=True)
         if counting:
             self.record(operand, t, q.values if q.factor is None else q.values * q.factor, q.saturated)
-        return Operand(q.values, q.factor, FORMATS[name].exact_in_bf16)
+        fmt = FORMATS[name]
+        block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
+        return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
 
     @torch.no_grad()
     def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
@@ -190,29 +192,57 @@ class QuantizedMatmul(torch.autograd.Function):
 class Operand(NamedTuple):
     """A GEMM operand in a format: `values` times `factor` (None: 1) are its quantized values; the
     GEMM multiplies `values` and applies the factors to its output, as the hardware applies NVFP4's
-    tensor scales and fp8's tensorwise and rowwise ones. `bf16`: bf16 holds every value exactly."""
+    tensor scales, fp8's tensorwise and rowwise ones and fp8_block's per chunk of `block` values of
+    the contraction (None: the factor is per tensor or per row). `bf16`: bf16 holds every value."""
 
     values: torch.Tensor
     factor: torch.Tensor | None
     bf16: bool
+    block: int | None = None
 
     def t(self) -> Operand:
-        return Operand(self.values.T, None if self.factor is None else self.factor.t(), self.bf16)
+        return self._replace(values=self.values.T, factor=None if self.factor is None else self.factor.t())
 
 
 def gemm(a: Operand, b: Operand) -> torch.Tensor:
     """a @ b in fp32: the product of the values with fp32 accumulation, times the two factors (their
-    product first, as cuBLAS takes one alpha). On a GPU, where bf16 holds both operands' values, they
-    go in as bf16 with an fp32 output (mm's out_dtype): tensor cores, the same products. Elsewhere fp32
-    operands: a CPU's bf16 GEMMs write bf16, one rounding more."""
-    if a.bf16 and b.bf16 and a.values.device.type == "cuda":
-        y = torch.mm(a.values.bfloat16(), b.values.bfloat16(), out_dtype=torch.float32)
-    else:
-        y = a.values @ b.values
+    product first, as cuBLAS takes one alpha and DeepGEMM one scale per chunk)."""
+    if a.block or b.block:
+        return blockwise(a, b, a.block or b.block)
+    y = product(a.values, b.values, a.bf16 and b.bf16)
     factors = [f for f in (a.factor, b.factor) if f is not None]
     if not factors:
         return y
     return y * (factors[0] if len(factors) == 1 else factors[0] * factors[1])
+
+
+def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
+    """a @ b with scales per `size` values of the contraction, as DeepSeek-V3 promotes them: each
+    chunk's product scaled by its scales and the chunks summed in fp32. One batched GEMM (an op count
+    independent of the contraction's length), at the cost of two chunks x M x N fp32 temporaries (a
+    768 -> 3072 layer's forward at 8192 tokens: 6 x 8192 x 3072 x 4 bytes, 0.6 GB each)."""
+    m, k = a.values.shape
+    pad = -k % size
+    chunks = (k + pad) // size
+    av = F.pad(a.values, (0, pad)).reshape(m, chunks, size).transpose(0, 1)
+    bv = F.pad(b.values, (0, 0, 0, pad)).reshape(chunks, size, -1)
+    partial = product(av, bv, a.bf16 and b.bf16)  # chunks x m x n
+    # a's factor: per (row, chunk), per row or per tensor; b's: per (chunk, column), per column or tensor
+    fa = None if a.factor is None else (a.factor if a.factor.dim() == 0 else a.factor.t().unsqueeze(-1))
+    fb = None if b.factor is None else (b.factor if b.factor.dim() == 0 else b.factor.unsqueeze(1))
+    scales = [f for f in (fa, fb) if f is not None]
+    if scales:
+        partial = partial.mul_(scales[0] if len(scales) == 1 else scales[0] * scales[1])
+    return partial.sum(0)
+
+
+def product(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """a @ b (matrices or batches) with fp32 accumulation. On a GPU, where bf16 holds both operands'
+    values, bf16 operands with an fp32 output (out_dtype): tensor cores, the same products. Elsewhere
+    fp32 operands: a CPU's bf16 GEMMs write bf16, one rounding more."""
+    if bf16 and a.device.type == "cuda":
+        return (torch.mm if a.dim() == 2 else torch.bmm)(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
+    return a @ b
 
 
 def keep_eager(model: nn.Module) -> None:

@@ -41,21 +41,24 @@ class Format:
 
     @property
     def factor(self) -> str | None:
-        """The part of the scale a GEMM can apply to its fp32 output instead of to each operand value,
-        as the hardware does: "tensor" (NVFP4's tensor scale, fp8 tensorwise) or "row" (fp8 rowwise:
-        a scale per row along the contraction); None where each block has its own (MX, 1x128)."""
+        """The part of the scale a GEMM applies to its fp32 output instead of to each operand value,
+        as the hardware does: "tensor" (NVFP4's tensor scale, fp8 tensorwise), "row" (fp8 rowwise:
+        a scale per row along the contraction) or "block" (fp8_block's 1x128: per 128-long chunk of
+        the contraction, DeepSeek-V3's promotion); None where the scale is a power of two (MX)."""
         if self.scale == "nvfp4" or (self.scale == "fp32" and self.block == "tensor"):
             return "tensor"
-        return "row" if self.scale == "fp32" and self.block == "row" else None
+        if self.scale == "fp32":
+            return "row" if self.block == "row" else "block"
+        return None
 
     @property
     def exact_in_bf16(self) -> bool:
         """Whether bf16 holds every GEMM operand value exactly, the factor split off (quantize's
         `split`): an MX value is an element of at most 8 significant bits (INT8's 7, E4M3's 4) times
         a power of two; an NVFP4 one an E2M1 element times its E4M3 block scale (at most 6 bits);
-        fp8's, its element alone. Not 1x128 blocks' (fp8_block): element times an fp32 scale takes up
-        to 24 bits. bf16's range is fp32's (its subnormals are coarser: an MX block whose largest
-        value is below ~1e-35 can lose its smallest values)."""
+        fp8's, its element alone (element times an fp32 scale would take up to 24 bits). bf16's range
+        is fp32's (its subnormals are coarser: an MX block whose largest value is below ~1e-35 can
+        lose its smallest values)."""
         significant = self.element.bits - self.element.ebits
         return (self.scale == "e8m0" and significant <= 8) or self.factor is not None
 
@@ -182,7 +185,7 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
             saturated += (scaled.abs() > fmt.element.max).sum()
         rounded = fmt.element.nearest(scaled) if noise is None else fmt.element.stochastic(scaled, noise[p])
         torch.mul(rounded, back[p], out=values[p])
-    factor = outer_factor(outer, layout) if split else None
+    factor = outer_factor(outer, layout, size) if split else None
     return restore(values, layout).to(x.dtype), factor, saturated
 
 
@@ -216,18 +219,26 @@ def block_scales(fmt: Format, amax: torch.Tensor, rule: str) -> tuple[torch.Tens
     if fmt.scale == "e8m0":
         return scales.e8m0(amax, fmt.element, rule), amax.new_ones(())
     if fmt.scale == "fp32":
-        scale = scales.fp32(amax, fmt.element)
-        return (amax.new_ones(()), scale) if fmt.factor else (scale, amax.new_ones(()))
+        return amax.new_ones(()), scales.fp32(amax, fmt.element)
     tensor, block = scales.nvfp4(amax, amax.max())
     return block, tensor
 
 
-def outer_factor(outer: torch.Tensor, layout: Blocks) -> torch.Tensor:
-    """The outer scales in the tensor's shape, 1 along the blocked axis: a 0-dim tensor for one per
-    tensor, else one per row of the blocked view ("row" blocks)."""
+def outer_factor(outer: torch.Tensor, layout: Blocks, size: int | str) -> torch.Tensor:
+    """The outer scales in the tensor's shape: a 0-dim tensor for one per tensor; for one per row
+    ("row" blocks), 1 along the blocked axis; for 1 x size blocks and size x size tiles, one per
+    block along the blocked axis (ceil(n / size) there), tiles' repeated along the other."""
     if outer.numel() == 1:
         return outer.reshape(())
-    return outer.reshape(layout.shape[:-1]).unsqueeze(-1).movedim(-1, layout.axis)
+    rows, cols = layout.padded
+    if size == "row":
+        per_row = outer.reshape(rows, 1)
+    elif layout.tile is None:
+        per_row = outer.reshape(rows, cols // size)
+    else:
+        per_row = outer.reshape(rows // size, cols // size).repeat_interleave(size, dim=0)
+    kept = per_row[: layout.shape[:-1].numel()]
+    return kept.reshape(*layout.shape[:-1], -1).movedim(-1, layout.axis)
 
 
 def format_named(name: str) -> Format:
