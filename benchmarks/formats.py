@@ -2,15 +2,17 @@
 
     python benchmarks/formats.py [--device cpu|cuda] [--precisions mxfp8,mxfp6,mxfp4,nvfp4,fp8_block]
                                  [--steps N] [--repeats R] [--warmup W] [--threads T]
-                                 [--model-overrides KEY=VALUE ...] [--quick] [--json OUT.json]
-                                 [--no-malloc-tuning]
+                                 [--model gpt2|llama] [--model-overrides KEY=VALUE ...] [--quick]
+                                 [--json OUT.json] [--markdown OUT.md] [--no-malloc-tuning]
 
 See benchmarks/README.md for what is measured how.
 
 Every mode is `halfprec.training.build.build(cfg)` of `task=lm precision=<mode>` (the same seed, so
 the same initial weights), stepped by its `stepper` on the same training micro-batches in the same
 order: precision=bf16 is the reference, each format option swaps the GPT's Linear layers for
-QuantizedLinear, whose GEMMs quantize their operands in the format, emulated (fp32 products).
+QuantizedLinear, whose GEMMs quantize their operands in the format, emulated (the values' products
+with fp32 accumulation: bf16 operands on a GPU, fp32 ones on a CPU). --model gpt2 (or llama) times
+the ~124M models at batch 8 x 1024 (data.batch_size=8 unless --model-overrides sets it).
 
 Measured: each mode warms up, then the modes take turns running blocks of --steps steps, the order
 rotating every round, so that machine noise hits all of them alike; the table shows the median over
@@ -79,6 +81,7 @@ class Row:
     median_ms: float | None = None
     best_ms: float | None = None
     ratio_to_bf16: float | None = None  # median of `ratios`
+    tokens_per_s: float | None = None  # the batch's tokens over median_ms
     profiled_step_ms: float | None = None  # the extra step with the quantize timer (formats only)
     quantize_ms: float | None = None  # time inside QuantizedLinear.quantize during that step
     quantize_share: float | None = None  # quantize_ms / profiled_step_ms
@@ -131,7 +134,7 @@ def make_mode(precision: str, device: torch.device, overrides: Sequence[str]) ->
 
 def model_label(cfg: DictConfig) -> str:
     m = cfg.model
-    return f"gpt {m.n_layer}x{m.n_embd}, {m.n_head} heads, batch {cfg.data.batch_size} x {m.block_size} tokens"
+    return f"{m.n_layer}x{m.n_embd}, {m.n_head} heads, batch {cfg.data.batch_size} x {m.block_size} tokens"
 
 
 @dataclass
@@ -215,6 +218,8 @@ def measure(modes: list[Mode], args: argparse.Namespace) -> None:
         r = mode.row
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)
         r.ratio_to_bf16 = statistics.median(r.ratios)
+        tokens = mode.cfg.data.batch_size * mode.cfg.model.block_size  # one micro-batch per step here
+        r.tokens_per_s = tokens / (r.median_ms / 1000)
 
 
 # ---------------------------------------------------------------- output
@@ -225,7 +230,7 @@ def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig)
         **machine(device),
         "python": platform.python_version(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset (glibc defaults)"),
-        "model": model_label(cfg),
+        "model": f"model={args.model or 'gpt'} " + model_label(cfg),
         "overrides": list(args.overrides),
         "steps_per_block": args.steps,
         "blocks": args.repeats,
@@ -241,14 +246,16 @@ def markdown(env: dict, rows: list[Row]) -> str:
         f"{env['warmup_steps']} warm-up steps; median over blocks, ratio: median of the per-round ratios; "
         f"quantize share: of one extra step. `{env['command']}`",
         "",
-        "| precision | median ms/step | ratio to bf16 | quantize share | quantized layers | note |",
-        "|---|---:|---:|---:|---:|---|",
+        "| precision | median ms/step | tokens/s | ratio to bf16 | quantize share | quantized layers | note |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         share = "-" if r.quantize_share is None else f"{100 * r.quantize_share:.0f}%"
         ratio = fmt(r.ratio_to_bf16, ".2f") + ("x" if r.ratio_to_bf16 is not None else "")
         layers = "-" if r.median_ms is None else str(r.quantized_layers)
-        lines.append(f"| {r.precision} | {fmt(r.median_ms, '.2f')} | {ratio} | {share} | {layers} | {r.note} |")
+        speed = fmt(r.tokens_per_s, ",.0f")
+        ms = fmt(r.median_ms, ".2f")
+        lines.append(f"| {r.precision} | {ms} | {speed} | {ratio} | {share} | {layers} | {r.note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -263,6 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed blocks per mode (median over them)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per mode before the blocks")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
+    parser.add_argument("--model", choices=["gpt", "gpt2", "llama"], default=None, help="model= (default: gpt)")
     parser.add_argument(
         "--model-overrides",
         dest="overrides",
@@ -273,6 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: a 1-block GPT of width 32, 2 x 2 steps")
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown")
     parser.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's default malloc thresholds")
     args = parser.parse_args(argv)
 
@@ -290,7 +299,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--precisions {','.join(unknown)}: no such precision option in conf/precision/")
     args.precisions = [p for p in dict.fromkeys(args.precisions) if p != REFERENCE]  # bf16 always runs, first
-    args.overrides = [*(QUICK_OVERRIDES if args.quick else []), *args.overrides]
+    model = [] if args.model is None else [f"model={args.model}"]
+    if args.model in ("gpt2", "llama") and not any(o.startswith("data.batch_size=") for o in args.overrides):
+        model.append("data.batch_size=8")  # the ~124M models at 8 x 1024 tokens a step
+    args.overrides = [*model, *(QUICK_OVERRIDES if args.quick else []), *args.overrides]
     return args
 
 
@@ -311,7 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         report = {"env": env, "rows": [dataclasses.asdict(r) for r in rows]}
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(markdown(env, rows))
+    table = markdown(env, rows)
+    if args.markdown:
+        args.markdown.write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":

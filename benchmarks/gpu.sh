@@ -8,8 +8,9 @@
 # mode on CUDA, DDP/FSDP over nccl, host syncs per step), compare_loops.md/.json (halfprec vs a
 # raw loop vs Lightning vs Accelerate, per precision mode: ResNet-50, ViT-B/16 and a GPT-2-sized
 # GPT; images/s, tokens/s, MFU, peak memory), memory.md/.json
-# (peak memory per precision mode against the analytic estimate) and bench.log (both benchmarks'
-# output): 7 files. The parts run in that order; each gets what the budget has left, less a reserve
+# (peak memory per precision mode against the analytic estimate), formats.md/.json (the emulated
+# formats' ms/step and tokens/s against bf16 on the 124M GPT-2, batch 8 x 1024: its table alone, the
+# device tool brings back 8 files) and bench.log (the benchmarks' output): 8 files. The parts run in that order; each gets what the budget has left, less a reserve
 # for the parts after it, and is killed 10 s after its limit if it ignores SIGTERM. Both benchmarks
 # rewrite their tables after every row, so a part cut short keeps what it measured, and its
 # markdown then ends with a line saying so.
@@ -94,26 +95,32 @@ quick=()
 
 # 1. the GPU-marked tests (~2 min on one H200); `-o addopts`: pyproject's `-n auto` needs pytest-xdist,
 # which the GPU machine may lack, and the GPU tests share one device: one process
-t=$(limit 200 340)
+t=$(limit 170 380)
 timeout -k 10 "$t" "$PY" -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -o addopts=--strict-markers 2>&1 | tee "$out/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || status=1
 cut_short "$rc" "$t" "$out/gpu_tests.log"
 
-# bench SCRIPT MAX RESERVE: one benchmark at --device, its tables in OUT_DIR (rewritten after every
-# row, so a run cut short keeps what it measured), its whole output in bench.log
+# bench SCRIPT MAX RESERVE [ARGS...]: one benchmark at --device, its tables in OUT_DIR (rewritten
+# after every row, so a run cut short keeps what it measured), its whole output in bench.log
 bench() {
-    local name=${1%.py} t
+    local name=${1%.py} t files
     t=$(limit "$2" "$3")
+    files=(--json "$out/$name.json" --markdown "$out/$name.md")
+    [ "$name" = formats ] && files=(--markdown "$out/$name.md") # the 8th file: no room for its JSON
     echo "gpu.sh: $1, limit $t s" | tee -a "$out/bench.log"
-    timeout -k 10 "$t" "$PY" "benchmarks/$1" --device "$device" ${quick[@]+"${quick[@]}"} \
-        --json "$out/$name.json" --markdown "$out/$name.md" 2>&1 | tee -a "$out/bench.log" | tail -n 60
+    timeout -k 10 "$t" "$PY" "benchmarks/$1" --device "$device" ${quick[@]+"${quick[@]}"} "${@:4}" \
+        "${files[@]}" 2>&1 | tee -a "$out/bench.log" | tail -n 60
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1
     cut_short "$rc" "$t" "$out/$name.md"
 }
-bench compare_loops.py 320 100 # 2. the loop comparison
-bench memory.py 100 0          # 3. peak memory per precision mode against the estimate (~1 min)
+bench compare_loops.py 200 210 # 2. the loop comparison
+bench memory.py 90 120         # 3. peak memory per precision mode against the estimate (~1 min)
+# 4. the emulated formats on GPT-2 small (the rehearsal's --quick model instead): few short blocks
+formats_args=(--steps 5 --repeats 3 --warmup 2)
+[ "$REHEARSAL" = 1 ] || formats_args+=(--model gpt2)
+bench formats.py 120 0 "${formats_args[@]}"
 
 echo "gpu.sh: results in $out after $SECONDS s (exit $status)"
 exit $status

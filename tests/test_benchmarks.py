@@ -158,14 +158,18 @@ def test_formats_quick_times_each_format_against_bf16(tmp_path):
     out = tmp_path / "formats.json"
     script = SCRIPT.parent / "formats.py"
     cmd = [sys.executable, str(script), "--quick", "--device", "cpu", "--precisions", "mxfp4,nvfp4"]
-    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=120)
+    table = tmp_path / "formats.md"
+    cmd += ["--json", str(out), "--markdown", str(table)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert table.read_text() in proc.stdout and "| tokens/s |" in table.read_text()
     assert report["env"]["glibc_tunables"].startswith("glibc.malloc.mmap_threshold=")  # the re-exec fixed it
     rows = {r["precision"]: r for r in report["rows"]}
     assert list(rows) == ["bf16", "mxfp4", "nvfp4"]
     for row in rows.values():
         assert row["median_ms"] > 0 and row["ratio_to_bf16"] > 0, row
+        assert row["tokens_per_s"] == pytest.approx(4 * 32 / (row["median_ms"] / 1000)), row  # --quick: 4 x 32
         assert len(row["block_ms"]) == len(row["ratios"]) == report["env"]["blocks"]
     assert rows["bf16"]["ratio_to_bf16"] == 1.0 and rows["bf16"]["quantized_layers"] == 0
     for name in ("mxfp4", "nvfp4"):
