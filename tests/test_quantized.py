@@ -26,6 +26,14 @@ from helpers import compose_cfg
 GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
 
 
+@pytest.fixture(autouse=True)
+def fp32_gemms(monkeypatch):
+    """The products written out here are fp32 GEMMs; so are the layer's (on a CPU with bf16 units it
+    computes them with oneDNN's bf16 math, the same products summed in another order:
+    test_a_cpu_with_bf16_units_multiplies_the_exact_operands_in_bf16)."""
+    monkeypatch.setattr(quantized, "cpu_bf16", lambda: False)
+
+
 def sq(t: torch.Tensor, name: str, axis: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """t's values in `name` with the scale the hardware applies to a GEMM's output split off
     (NVFP4's tensor scale, fp8's per tensor or per row), and that scale (1 where there is none)."""
@@ -109,6 +117,24 @@ def test_1x128_blocks_scale_each_128_long_chunk_of_the_contraction():
     dy0 = sq(dy, "fp8_block", 0)
     assert torch.equal(linear.weight.grad, chunked((dy0[0].T, dy0[1].T), sq(x, "fp8_block", 0)))
     assert not torch.equal(y, fq(x, "fp8_block") @ fq(w, "fp8_block", tile=True).T)  # a rounding per value apart
+
+
+def test_a_cpu_with_bf16_units_multiplies_the_exact_operands_in_bf16(monkeypatch):
+    """oneDNN's bf16 math converts fp32 operands to bf16: lossless for the formats' values (its sums
+    then as close to the exact product as fp32's), lossy for other numbers: it is on inside the
+    layer's GEMMs alone. Skipped on a CPU without bf16 units, where the GEMMs stay fp32."""
+    if not quantized.native_bf16(quantized.cpu_flags()):
+        pytest.skip("no bf16 units on this CPU (AVX512-BF16, AMX): its quantized GEMMs are fp32")
+    monkeypatch.setattr(quantized, "cpu_bf16", lambda: True)
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(256, 512, generator=g), torch.randn(512, 256, generator=g)
+    a, b = fq(raw[0], "mxfp8"), fq(raw[1], "mxfp8", axis=0)
+    exact = a.double() @ b.double()
+    bf16, fp32 = quantized.product(a, b, True), quantized.product(a, b, False)
+    assert (bf16.double() - exact).abs().max() <= 4 * (fp32.double() - exact).abs().max() + 1e-5
+    lossy = (quantized.product(*raw, True).double() - raw[0].double() @ raw[1].double()).abs().max()
+    assert lossy > 100 * (fp32.double() - exact).abs().max()  # the mode was on: raw fp32 operands were rounded
+    assert torch.equal(raw[0] @ raw[1], quantized.product(*raw, False))  # and off again outside
 
 
 def test_the_hadamard_transform_rotates_both_weight_gradient_operands_alone():
@@ -269,7 +295,8 @@ def test_recipe_switches_apply_to_the_formats_that_can_use_them():
     }  # fmt: skip
     assert all(m.recipe.stochastic_grads and m.recipe.hadamard for m in layers.values())
     assert c.policy.notes == [
-        "recipe: weight_2d applies to the nvfp4 layers, not to mxfp8: no square blocks (nvfp4 16x16, fp8_block 128x128)"
+        "recipe: weight_2d applies to the nvfp4 layers, not to mxfp8: no square blocks (nvfp4 16x16, fp8_block 128x128)",
+        quantized.gemm_note("cpu"),  # how the GEMMs compute here
     ]
     with pytest.raises(ConfigError, match=r"weight_2d=true: is for formats with square blocks .* \(mxfp8\)"):
         build(compose_cfg(*GPT, "precision=nvfp4", "precision.rules=[{match: '*', format: mxfp8}]"))

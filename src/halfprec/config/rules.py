@@ -140,6 +140,8 @@ def slow_on_cpu(p: DictConfig) -> str | None:
         return (f"precision={p.name} computes in fp16, which torch's CPU kernels (convolutions above all) run "
                 f"far slower than fp32: {advice}")  # fmt: skip
     if "bfloat16" in dtypes and native_bf16(cpu_flags()) is False:
+        if p.format and p.autocast == "bfloat16":  # the format's layers are fp32 arithmetic already
+            advice = "precision.autocast=null keeps the other layers in fp32 here (then compare with precision=fp32)"
         return (f"precision={p.name} computes in bf16 and this CPU has no bf16 units (AVX512-BF16, AMX): torch "
                 f"emulates it, about 10x slower than fp32: {advice}")  # fmt: skip
     return None

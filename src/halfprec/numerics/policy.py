@@ -23,7 +23,7 @@ from halfprec.numerics.layers import (
     swap_emulated,
     swap_float8,
 )
-from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.quantized import Recipe, gemm_note
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -146,6 +146,7 @@ class PrecisionPolicy:
             swap_float8(model, plan, float8, self.fp8_emulate)
         else:
             swap_emulated(model, plan, self.recipe, seed, rank, self.quantizer == "compiled")
+            self.notes.append(gemm_note(self.device_type))
             if self.quantizer == "compiled":
                 self.notes.append(COMPILED_NOTE)
         self.layers = plan
