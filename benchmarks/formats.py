@@ -55,6 +55,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from halfprec.config import validate  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
+from halfprec.machine import cpu_flags, native_bf16  # noqa: E402
 from halfprec.numerics.quantized import QuantizedLinear  # noqa: E402
 from halfprec.training.build import Components, build  # noqa: E402
 
@@ -231,6 +232,8 @@ def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig)
         "python": platform.python_version(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset (glibc defaults)"),
         "model": f"model={args.model or 'gpt'} " + model_label(cfg),
+        # whether the ratios hold on a CPU with bf16 units (the reference's bf16 GEMMs, the formats')
+        "cpu_bf16_units": native_bf16(cpu_flags()) if device.type == "cpu" else None,
         "overrides": list(args.overrides),
         "steps_per_block": args.steps,
         "blocks": args.repeats,
@@ -238,9 +241,14 @@ def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig)
     }
 
 
+def bf16_units(env: dict) -> str:
+    units = env.get("cpu_bf16_units")
+    return "" if units is None else (" (bf16 units)" if units else " (no bf16 units: bf16 emulated)")
+
+
 def markdown(env: dict, rows: list[Row]) -> str:
     lines = [
-        f"{env['date']}, {env['device_name']}, torch {env['torch']}, threads: {env['threads']}, "
+        f"{env['date']}, {env['device_name']}{bf16_units(env)}, torch {env['torch']}, threads: {env['threads']}, "
         f"GLIBC_TUNABLES={env['glibc_tunables']}",
         f"{env['model']}: {env['blocks']} interleaved blocks of {env['steps_per_block']} steps per mode after "
         f"{env['warmup_steps']} warm-up steps; median over blocks, ratio: median of the per-round ratios; "
