@@ -73,7 +73,7 @@ def test_a_quantized_layers_forward_and_backward_launch_as_many_ops_at_any_batch
 def test_the_cpus_chunks_give_the_values_of_the_whole_tensor_bit_for_bit(name, monkeypatch):
     """The CPU quantizes 2^16 values at a time (its cache), a GPU the whole tensor: the same values."""
     x = torch.randn(300, 1000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 1000)
-    assert len(formats.chunks(x.reshape(-1, 32))) > 1  # 300,000 values: several chunks
+    assert len(formats.chunks(x.reshape(-1, 32, 1))) > 1  # 300,000 values: several chunks
     chunked = fake_quantize(x, name)
     monkeypatch.setattr(formats, "chunks", lambda blocks, values=formats.CHUNK: [slice(None)])
     assert torch.equal(fake_quantize(x, name), chunked)

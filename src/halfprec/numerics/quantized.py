@@ -211,8 +211,9 @@ class Operand(NamedTuple):
 def gemm(a: Operand, b: Operand) -> torch.Tensor:
     """a @ b in fp32: the product of the values with fp32 accumulation, times the two factors (their
     product first, as cuBLAS takes one alpha and DeepGEMM one scale per chunk)."""
-    if a.block or b.block:
-        return blockwise(a, b, a.block or b.block)
+    block = a.block or b.block
+    if block:
+        return blockwise(a, b, block)
     y = product(a.values, b.values, a.bf16 and b.bf16)
     factors = [f for f in (a.factor, b.factor) if f is not None]
     if not factors:
@@ -263,7 +264,7 @@ def cpu_bf16() -> bool:
 def onednn_bf16_math() -> Iterator[None]:
     """oneDNN may compute fp32 GEMMs with bf16 operands (its fpmath mode; torch's "bf16" precision for
     mkldnn matmuls) inside the block, and only there: other fp32 GEMMs keep IEEE fp32."""
-    matmul = torch.backends.mkldnn.matmul
+    matmul = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # set at import, not in the stubs
     before = matmul.fp32_precision
     matmul.fp32_precision = "bf16"
     try:

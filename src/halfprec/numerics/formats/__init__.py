@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from halfprec.numerics.formats import scales
-from halfprec.numerics.formats.blocks import Blocks, restore, view
+from halfprec.numerics.formats.blocks import Blocks, per_block, restore, view
 from halfprec.numerics.formats.elements import ELEMENTS, Element
 
 SCALE_BITS = {"fp32": 32, "e8m0": 8, "nvfp4": 8}
@@ -190,7 +190,7 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
 
 
 @functools.cache
-def compiled_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def compiled_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """quantize_blocks through torch.compile: one fused kernel (C++ on a CPU, Triton on a GPU) where
     the eager code launches an op at a time (85 on a GPU), the values the same bit for bit. Shapes
     static: inductor's CPU loops over a padded or transposed view with symbolic sizes were not
@@ -204,12 +204,12 @@ def compiled_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 
 
 def chunks(blocks: torch.Tensor, values: int = CHUNK) -> list[slice]:
-    """Rows of `blocks` about `values` values at a time, on a CPU: a quantization's half-dozen
-    temporaries then fit in a core's cache and are reused, where whole-tensor ones were fresh memory
-    each time (a 4 MB tensor quantized in 1/2.3 of the time, in a training step). Not on a GPU,
-    where each op is a kernel launch of a few microseconds: chunks made an 8192x3072 MXFP8 quantize
-    13,490 ops where the whole tensor is 85, whatever its size (counted under FakeTensorMode)."""
-    rows = max(1, values // max(1, blocks.shape[1]))
+    """Blocks about `values` values at a time, on a CPU: a quantization's half-dozen temporaries
+    then fit in a core's cache and are reused, where whole-tensor ones were fresh memory each time
+    (a 4 MB tensor quantized in 1/2.3 of the time, in a training step). Not on a GPU, where each op
+    is a kernel launch of a few microseconds: chunks made an 8192x3072 MXFP8 quantize 13,490 ops
+    where the whole tensor is 85, whatever its size (counted under FakeTensorMode)."""
+    rows = max(1, values // max(1, blocks.shape[1] * blocks.shape[2]))
     return [slice(i, i + rows) for i in range(0, blocks.shape[0], rows)] or [slice(0, 0)]
 
 
@@ -225,20 +225,9 @@ def block_scales(fmt: Format, amax: torch.Tensor, rule: str) -> tuple[torch.Tens
 
 
 def outer_factor(outer: torch.Tensor, layout: Blocks, size: int | str) -> torch.Tensor:
-    """The outer scales in the tensor's shape: a 0-dim tensor for one per tensor; for one per row
-    ("row" blocks), 1 along the blocked axis; for 1 x size blocks and size x size tiles, one per
-    block along the blocked axis (ceil(n / size) there), tiles' repeated along the other."""
-    if outer.numel() == 1:
-        return outer.reshape(())
-    rows, cols = layout.padded
-    if size == "row":
-        per_row = outer.reshape(rows, 1)
-    elif layout.tile is None:
-        per_row = outer.reshape(rows, cols // size)
-    else:
-        per_row = outer.reshape(rows // size, cols // size).repeat_interleave(size, dim=0)
-    kept = per_row[: layout.shape[:-1].numel()]
-    return kept.reshape(*layout.shape[:-1], -1).movedim(-1, layout.axis)
+    """The outer scales in the tensor's shape: a 0-dim tensor for one per tensor, else one per block
+    with the blocked axis shrunk to the number of blocks (blocks.per_block)."""
+    return outer.reshape(()) if outer.numel() == 1 else per_block(outer, layout, size)
 
 
 def format_named(name: str) -> Format:
