@@ -87,6 +87,8 @@ class Row:
     quantize_ms: float | None = None  # time inside QuantizedLinear.quantize during that step
     quantize_share: float | None = None  # quantize_ms / profiled_step_ms
     quantize_calls: int | None = None
+    quantize_gb_s: float | None = None  # QuantizeClock.bytes over quantize_ms: against the memory's bandwidth
+    peak_mib: float | None = None  # a GPU's peak allocated memory over the mode's warm-up steps
     steps: int = 0
     final_loss: float | None = None
     note: str = ""
@@ -142,6 +144,7 @@ def model_label(cfg: DictConfig) -> str:
 class QuantizeClock:
     seconds: float = 0.0
     calls: int = 0
+    bytes: int = 0  # each operand read once and its fp32 values written once: the least traffic
 
 
 @contextlib.contextmanager
@@ -151,11 +154,12 @@ def timed_quantize(device: torch.device) -> Iterator[QuantizeClock]:
     original = QuantizedLinear.quantize
     clock = QuantizeClock()
 
-    def timed(self: QuantizedLinear, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def timed(self: QuantizedLinear, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        clock.bytes += t.numel() * (t.element_size() + 4)
         sync(device)
         start = time.perf_counter()
         try:
-            return original(self, *args, **kwargs)
+            return original(self, t, *args, **kwargs)
         finally:
             sync(device)
             clock.seconds += time.perf_counter() - start
@@ -176,6 +180,7 @@ def profile_quantization(mode: Mode, batches: Sequence[Batch]) -> None:
     r = mode.row
     r.profiled_step_ms, r.quantize_ms, r.quantize_calls = 1000 * seconds, 1000 * clock.seconds, clock.calls
     r.quantize_share = clock.seconds / seconds
+    r.quantize_gb_s = clock.bytes / clock.seconds / 1e9 if clock.seconds else None
 
 
 def take_batches(mode: Mode) -> list[Batch]:
@@ -203,7 +208,11 @@ def measure(modes: list[Mode], args: argparse.Namespace) -> None:
     """Warm up every mode, time interleaved blocks, then the profiled step of each format."""
     batches = take_batches(modes[0])
     for mode in modes:  # the first steps allocate, and draw each layer's Hadamard matrix
+        if mode.c.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(mode.c.device)
         mode.run(batches, args.warmup)
+        if mode.c.device.type == "cuda" and args.warmup:
+            mode.row.peak_mib = torch.cuda.max_memory_allocated(mode.c.device) / 2**20
     for round_ in range(args.repeats):
         shift = round_ % len(modes)
         for mode in modes[shift:] + modes[:shift]:  # rotate: no mode always runs first (or after bf16)
@@ -254,8 +263,9 @@ def markdown(env: dict, rows: list[Row]) -> str:
         f"{env['warmup_steps']} warm-up steps; median over blocks, ratio: median of the per-round ratios; "
         f"quantize share: of one extra step. `{env['command']}`",
         "",
-        "| precision | median ms/step | tokens/s | ratio to bf16 | quantize share | quantized layers | note |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| precision | median ms/step | tokens/s | ratio to bf16 | quantize share | quantize GB/s | peak MiB "
+        "| quantized layers | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         share = "-" if r.quantize_share is None else f"{100 * r.quantize_share:.0f}%"
@@ -263,7 +273,8 @@ def markdown(env: dict, rows: list[Row]) -> str:
         layers = "-" if r.median_ms is None else str(r.quantized_layers)
         speed = fmt(r.tokens_per_s, ",.0f")
         ms = fmt(r.median_ms, ".2f")
-        lines.append(f"| {r.precision} | {ms} | {speed} | {ratio} | {share} | {layers} | {r.note} |")
+        gbs, peak = fmt(r.quantize_gb_s, ".1f"), fmt(r.peak_mib, ",.0f")
+        lines.append(f"| {r.precision} | {ms} | {speed} | {ratio} | {share} | {gbs} | {peak} | {layers} | {r.note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -176,6 +176,7 @@ def test_formats_quick_times_each_format_against_bf16(tmp_path):
         row = rows[name]
         assert row["quantized_layers"] > 0, row
         assert row["quantize_calls"] > 0 and 0 < row["quantize_share"] < 1, row
+        assert row["quantize_gb_s"] > 0 and row["peak_mib"] is None, row  # peak memory: a GPU's
     assert "| nvfp4 |" in proc.stdout  # the markdown table
 
 
