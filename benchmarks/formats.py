@@ -59,7 +59,9 @@ from halfprec.machine import cpu_flags, native_bf16  # noqa: E402
 from halfprec.numerics.quantized import QuantizedLinear  # noqa: E402
 from halfprec.training.build import Components, build  # noqa: E402
 
-REFERENCE = "bf16"  # what the format options inherit: the layers they leave alone compute in bf16 autocast
+# the reference per --high: what the layers a format leaves alone compute in (bf16 autocast, the
+# format options' own; or fp32, with precision.autocast=null, for a CPU without bf16 units)
+REFERENCES = {"bf16": ("bf16", []), "fp32": ("fp32", ["precision.autocast=null"])}
 DEFAULT_PRECISIONS = ["mxfp8", "mxfp6", "mxfp4", "nvfp4", "fp8_block"]
 # a GPT small enough for the test: one block of width 32, 4 x 32 tokens per micro-batch
 QUICK_OVERRIDES = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
@@ -81,7 +83,7 @@ class Row:
     ratios: list[float] = field(default_factory=list)  # each round's block_ms over bf16's in that round
     median_ms: float | None = None
     best_ms: float | None = None
-    ratio_to_bf16: float | None = None  # median of `ratios`
+    ratio: float | None = None  # median of `ratios`: to the reference (env's "reference")
     tokens_per_s: float | None = None  # the batch's tokens over median_ms
     profiled_step_ms: float | None = None  # the extra step with the quantize timer (formats only)
     quantize_ms: float | None = None  # time inside QuantizedLinear.quantize during that step
@@ -194,12 +196,13 @@ def build_modes(args: argparse.Namespace, device: torch.device) -> tuple[list[Mo
     a width the format's blocks cannot tile) becomes a "not run" row, and the others go on."""
     modes: list[Mode] = []
     not_run: list[Row] = []
-    for precision in [REFERENCE, *args.precisions]:
+    reference, high = REFERENCES[args.high]
+    for precision in [reference, *args.precisions]:
         try:
-            modes.append(make_mode(precision, device, args.overrides))
+            modes.append(make_mode(precision, device, [*args.overrides, *(high if precision != reference else [])]))
         except ConfigError as err:
-            if precision == REFERENCE:  # nothing to compare with: say why, without a traceback
-                sys.exit(f"formats.py: the {REFERENCE} reference does not run with these overrides: {err}")
+            if precision == reference:  # nothing to compare with: say why, without a traceback
+                sys.exit(f"formats.py: the {reference} reference does not run with these overrides: {err}")
             not_run.append(Row(precision, note=f"not run: {err}"))
     return modes, not_run
 
@@ -227,7 +230,7 @@ def measure(modes: list[Mode], args: argparse.Namespace) -> None:
     for mode in modes:
         r = mode.row
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)
-        r.ratio_to_bf16 = statistics.median(r.ratios)
+        r.ratio = statistics.median(r.ratios)
         tokens = mode.cfg.data.batch_size * mode.cfg.model.block_size  # one micro-batch per step here
         r.tokens_per_s = tokens / (r.median_ms / 1000)
 
@@ -241,6 +244,8 @@ def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig)
         "python": platform.python_version(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset (glibc defaults)"),
         "model": f"model={args.model or 'gpt'} " + model_label(cfg),
+        "reference": REFERENCES[args.high][0],
+        "format_overrides": REFERENCES[args.high][1],  # what every format mode adds (not the reference)
         # whether the ratios hold on a CPU with bf16 units (the reference's bf16 GEMMs, the formats')
         "cpu_bf16_units": native_bf16(cpu_flags()) if device.type == "cpu" else None,
         "overrides": list(args.overrides),
@@ -263,13 +268,13 @@ def markdown(env: dict, rows: list[Row]) -> str:
         f"{env['warmup_steps']} warm-up steps; median over blocks, ratio: median of the per-round ratios; "
         f"quantize share: of one extra step. `{env['command']}`",
         "",
-        "| precision | median ms/step | tokens/s | ratio to bf16 | quantize share | quantize GB/s | peak MiB "
-        "| quantized layers | note |",
+        f"| precision | median ms/step | tokens/s | ratio to {env['reference']} | quantize share | quantize GB/s "
+        "| peak MiB | quantized layers | note |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         share = "-" if r.quantize_share is None else f"{100 * r.quantize_share:.0f}%"
-        ratio = fmt(r.ratio_to_bf16, ".2f") + ("x" if r.ratio_to_bf16 is not None else "")
+        ratio = fmt(r.ratio, ".2f") + ("x" if r.ratio is not None else "")
         layers = "-" if r.median_ms is None else str(r.quantized_layers)
         speed = fmt(r.tokens_per_s, ",.0f")
         ms = fmt(r.median_ms, ".2f")
@@ -289,6 +294,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed blocks per mode (median over them)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per mode before the blocks")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
+    parser.add_argument(
+        "--high",
+        choices=list(REFERENCES),
+        default="bf16",
+        help="what the layers a format leaves alone compute in, and the reference row: bf16 (autocast, the "
+        "formats' own) or fp32 (precision.autocast=null: for a CPU without bf16 units, where bf16 is emulated)",
+    )
     parser.add_argument("--model", choices=["gpt", "gpt2", "llama"], default=None, help="model= (default: gpt)")
     parser.add_argument(
         "--model-overrides",
@@ -317,7 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [p for p in args.precisions if not (CONF / "precision" / f"{p}.yaml").is_file()]
     if unknown:
         parser.error(f"--precisions {','.join(unknown)}: no such precision option in conf/precision/")
-    args.precisions = [p for p in dict.fromkeys(args.precisions) if p != REFERENCE]  # bf16 always runs, first
+    reference = REFERENCES[args.high][0]  # always runs, first
+    args.precisions = [p for p in dict.fromkeys(args.precisions) if p != reference]
     model = [] if args.model is None else [f"model={args.model}"]
     if args.model in ("gpt2", "llama") and not any(o.startswith("data.batch_size=") for o in args.overrides):
         model.append("data.batch_size=8")  # the ~124M models at 8 x 1024 tokens a step
@@ -337,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {env['torch']} | {env['device_name']} | threads: {env['threads']}")
     print(f"GLIBC_TUNABLES={env['glibc_tunables']} | {env['model']}", flush=True)
     measure(modes, args)
-    order = [REFERENCE, *args.precisions]
+    order = [REFERENCES[args.high][0], *args.precisions]
     rows = sorted([m.row for m in modes] + not_run, key=lambda r: order.index(r.precision))
     if args.json:
         report = {"env": env, "rows": [dataclasses.asdict(r) for r in rows]}

@@ -168,16 +168,29 @@ def test_formats_quick_times_each_format_against_bf16(tmp_path):
     rows = {r["precision"]: r for r in report["rows"]}
     assert list(rows) == ["bf16", "mxfp4", "nvfp4"]
     for row in rows.values():
-        assert row["median_ms"] > 0 and row["ratio_to_bf16"] > 0, row
+        assert row["median_ms"] > 0 and row["ratio"] > 0, row
         assert row["tokens_per_s"] == pytest.approx(4 * 32 / (row["median_ms"] / 1000)), row  # --quick: 4 x 32
         assert len(row["block_ms"]) == len(row["ratios"]) == report["env"]["blocks"]
-    assert rows["bf16"]["ratio_to_bf16"] == 1.0 and rows["bf16"]["quantized_layers"] == 0
+    assert rows["bf16"]["ratio"] == 1.0 and rows["bf16"]["quantized_layers"] == 0
     for name in ("mxfp4", "nvfp4"):
         row = rows[name]
         assert row["quantized_layers"] > 0, row
         assert row["quantize_calls"] > 0 and 0 < row["quantize_share"] < 1, row
         assert row["quantize_gb_s"] > 0 and row["peak_mib"] is None, row  # peak memory: a GPU's
     assert "| nvfp4 |" in proc.stdout  # the markdown table
+
+
+def test_formats_high_fp32_compares_with_fp32(tmp_path):
+    """--high fp32 (a CPU without bf16 units): the reference row is precision=fp32, the formats keep
+    their other layers in fp32, and the table says so."""
+    out = tmp_path / "formats.json"
+    cmd = [sys.executable, str(SCRIPT.parent / "formats.py"), "--quick", "--device", "cpu", "--precisions", "mxfp4"]
+    proc = subprocess.run([*cmd, "--high", "fp32", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["env"]["reference"] == "fp32" and "| ratio to fp32 |" in proc.stdout
+    assert report["env"]["format_overrides"] == ["precision.autocast=null"]
+    assert [(r["precision"], r["ratio"] > 0) for r in report["rows"]] == [("fp32", True), ("mxfp4", True)]
 
 
 NANOGPT = SCRIPT.parent / "nanogpt_compare.py"
