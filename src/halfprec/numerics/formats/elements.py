@@ -89,8 +89,8 @@ class Element:
         exact to 2^-15 of a gap (hardware draws a few random bits per value too)."""
         size = x.abs().clamp(max=self.max)
         step = self.spacing(size)
-        u = torch.mul(bits & 0x7FFF, 2.0**-15)
-        return size.div_(step).add_(u).floor_().mul_(step).copysign_(x)
+        # u = k * 2^-15 for the low 15 bits k, added in the same pass (the product is exact)
+        return size.div_(step).add_(bits & 0x7FFF, alpha=2.0**-15).floor_().mul_(step).copysign_(x)
 
 
 ELEMENTS = {
