@@ -9,11 +9,12 @@ For y = x W^T + b (x: tokens x in, W: out x in), as block-scaled tensor cores do
 
 each operand blocked along the dimension its GEMM contracts: the same tensor is re-blocked along
 another axis for another GEMM (square weight blocks give W one set of values for both). As the
-hardware computes: the operands' values (elements times their block scales) multiplied exactly with
-fp32 accumulation, and the scales per tensor (NVFP4's, fp8 tensorwise) or per row (fp8 rowwise)
-applied to the fp32 output (`Operand`, `gemm`); bf16 operands on a GPU wherever bf16 holds the
-values (every format but fp8_block's 1x128 blocks), fp32 ones elsewhere. The output comes back in
-the autocast dtype (or the input's). Operands are quantized from the values they hold: the fp32
+hardware computes: the operands' values (elements times their power-of-two or E4M3 block scales)
+multiplied exactly with fp32 accumulation, and the fp32 scales applied to the fp32 output, per
+tensor (NVFP4's, fp8 tensorwise), per row (fp8 rowwise) or per 128-long chunk of the contraction
+(fp8_block) (`Operand`, `gemm`). bf16 holds every such value: bf16 operands on a GPU and on a CPU
+with bf16 units (`product`), fp32 ones elsewhere. The output comes back in the autocast dtype (or
+the input's). Operands are quantized from the values they hold: the fp32
 weight, the input as the layer before gave it.
 """
 
