@@ -196,10 +196,11 @@ def build_modes(args: argparse.Namespace, device: torch.device) -> tuple[list[Mo
     a width the format's blocks cannot tile) becomes a "not run" row, and the others go on."""
     modes: list[Mode] = []
     not_run: list[Row] = []
-    reference, high = REFERENCES[args.high]
+    reference = args.reference
     for precision in [reference, *args.precisions]:
+        extra = [] if precision == reference else args.format_overrides
         try:
-            modes.append(make_mode(precision, device, [*args.overrides, *(high if precision != reference else [])]))
+            modes.append(make_mode(precision, device, [*args.overrides, *extra]))
         except ConfigError as err:
             if precision == reference:  # nothing to compare with: say why, without a traceback
                 sys.exit(f"formats.py: the {reference} reference does not run with these overrides: {err}")
@@ -244,8 +245,8 @@ def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig)
         "python": platform.python_version(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "unset (glibc defaults)"),
         "model": f"model={args.model or 'gpt'} " + model_label(cfg),
-        "reference": REFERENCES[args.high][0],
-        "format_overrides": REFERENCES[args.high][1],  # what every format mode adds (not the reference)
+        "reference": args.reference,
+        "format_overrides": args.format_overrides,  # what every format mode adds (not the reference)
         # whether the ratios hold on a CPU with bf16 units (the reference's bf16 GEMMs, the formats')
         "cpu_bf16_units": native_bf16(cpu_flags()) if device.type == "cpu" else None,
         "overrides": list(args.overrides),
@@ -329,8 +330,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [p for p in args.precisions if not (CONF / "precision" / f"{p}.yaml").is_file()]
     if unknown:
         parser.error(f"--precisions {','.join(unknown)}: no such precision option in conf/precision/")
-    reference = REFERENCES[args.high][0]  # always runs, first
-    args.precisions = [p for p in dict.fromkeys(args.precisions) if p != reference]
+    args.reference, args.format_overrides = REFERENCES[args.high]
+    args.precisions = [p for p in dict.fromkeys(args.precisions) if p != args.reference]  # it runs first
     model = [] if args.model is None else [f"model={args.model}"]
     if args.model in ("gpt2", "llama") and not any(o.startswith("data.batch_size=") for o in args.overrides):
         model.append("data.batch_size=8")  # the ~124M models at 8 x 1024 tokens a step
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {env['torch']} | {env['device_name']} | threads: {env['threads']}")
     print(f"GLIBC_TUNABLES={env['glibc_tunables']} | {env['model']}", flush=True)
     measure(modes, args)
-    order = [REFERENCES[args.high][0], *args.precisions]
+    order = [args.reference, *args.precisions]
     rows = sorted([m.row for m in modes] + not_run, key=lambda r: order.index(r.precision))
     if args.json:
         report = {"env": env, "rows": [dataclasses.asdict(r) for r in rows]}

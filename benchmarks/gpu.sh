@@ -8,12 +8,13 @@
 # mode on CUDA, DDP/FSDP over nccl, host syncs per step), compare_loops.md/.json (halfprec vs a
 # raw loop vs Lightning vs Accelerate, per precision mode: ResNet-50, ViT-B/16 and a GPT-2-sized
 # GPT; images/s, tokens/s, MFU, peak memory), memory.md/.json
-# (peak memory per precision mode against the analytic estimate), formats.md/.json (the emulated
-# formats' ms/step and tokens/s against bf16 on the 124M GPT-2, batch 8 x 1024: its table alone, the
-# device tool brings back 8 files) and bench.log (the benchmarks' output): 8 files. The parts run in that order; each gets what the budget has left, less a reserve
-# for the parts after it, and is killed 10 s after its limit if it ignores SIGTERM. Both benchmarks
-# rewrite their tables after every row, so a part cut short keeps what it measured, and its
-# markdown then ends with a line saying so.
+# (peak memory per precision mode against the analytic estimate), formats.md (the emulated formats'
+# ms/step and tokens/s against bf16 on the 124M GPT-2, batch 8 x 1024: its table alone, as the
+# device tool brings back 8 files) and bench.log (the benchmarks' output): 8 files. The parts run in
+# that order; each gets what the budget has left, less a reserve for the parts after it, and is
+# killed 10 s after its limit if it ignores SIGTERM. compare_loops.py and memory.py rewrite their
+# tables after every row, so a part cut short keeps what it measured, and its markdown then ends
+# with a line saying so; formats.py writes its table at the end (cut short: bench.log has its rounds).
 # On a machine without a GPU it says so, writes SKIPPED.md and exits 0. GPU_SH_REHEARSAL=1 runs
 # the same steps on the CPU with the benchmarks' --quick rows: a check of this script, not a benchmark.
 #

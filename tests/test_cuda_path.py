@@ -46,12 +46,14 @@ def test_a_quantize_on_a_gpu_launches_as_many_ops_whatever_the_tensors_size(name
             assert small == large <= 140, (rounding, tile, small, large)
 
 
-def layer_ops(tokens: int) -> list[tuple[str, list[torch.dtype]]]:
-    """A GPT-2-small MLP layer (768 -> 3072) in NVFP4 with its recipe's Hadamard transform and square
-    weight blocks: forward, then the backward node called directly (the autograd engine wants a
-    real device). Stochastic rounding is left out: its generator is a real CUDA object."""
+def layer_ops(tokens: int, fmt: str = "nvfp4", recipe: Recipe | None = None) -> list[tuple[str, list[torch.dtype]]]:
+    """A GPT-2-small MLP layer (768 -> 3072) in `fmt`, by default NVFP4 with its recipe's Hadamard
+    transform and square weight blocks: forward, then the backward node called directly (the
+    autograd engine wants a real device). Stochastic rounding is left out: its generator is a real
+    CUDA object."""
+    recipe = Recipe(hadamard=True, weight_2d=True) if recipe is None else recipe
     with FakeTensorMode():
-        layer = QuantizedLinear(768, 3072, True, "nvfp4", Recipe(hadamard=True, weight_2d=True), 1, device="cuda")
+        layer = QuantizedLinear(768, 3072, True, fmt, recipe, 1, device="cuda")
         x = torch.empty(tokens, 768, device="cuda", requires_grad=True)
         with Ops() as ops:
             y = layer(x)
@@ -80,15 +82,8 @@ def test_the_cpus_chunks_give_the_values_of_the_whole_tensor_bit_for_bit(name, m
 
 
 def layer_gemms(fmt: str, prefix: str = "aten.mm") -> list[tuple[str, list[torch.dtype]]]:
-    """The GEMMs of a 768 -> 3072 layer in `fmt`, forward and backward, on fake CUDA tensors."""
-    with FakeTensorMode():
-        layer = QuantizedLinear(768, 3072, False, fmt, Recipe(), 1, device="cuda")
-        x = torch.empty(512, 768, device="cuda", requires_grad=True)
-        with Ops() as ops:
-            y = layer(x)
-            with torch.no_grad():
-                y.grad_fn.apply(torch.empty_like(y))
-    return [(op, dtypes) for op, dtypes in ops.seen if op.startswith(prefix)]
+    """The GEMMs of a 768 -> 3072 layer in `fmt` (its plain recipe) at 512 tokens, forward and backward."""
+    return [(op, dtypes) for op, dtypes in layer_ops(512, fmt, Recipe()) if op.startswith(prefix)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "mxint8", "nvfp4", "fp8_e4m3", "fp8_e5m2_row"])

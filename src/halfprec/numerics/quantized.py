@@ -216,10 +216,8 @@ def gemm(a: Operand, b: Operand) -> torch.Tensor:
     if block:
         return blockwise(a, b, block)
     y = product(a.values, b.values, a.bf16 and b.bf16)
-    factors = [f for f in (a.factor, b.factor) if f is not None]
-    if not factors:
-        return y
-    return y * (factors[0] if len(factors) == 1 else factors[0] * factors[1])
+    factor = times(a.factor, b.factor)
+    return y if factor is None else y * factor
 
 
 def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
@@ -236,10 +234,15 @@ def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
     # a's factor: per (row, chunk), per row or per tensor; b's: per (chunk, column), per column or tensor
     fa = None if a.factor is None else (a.factor if a.factor.dim() == 0 else a.factor.t().unsqueeze(-1))
     fb = None if b.factor is None else (b.factor if b.factor.dim() == 0 else b.factor.unsqueeze(1))
-    scales = [f for f in (fa, fb) if f is not None]
-    if scales:
-        partial = partial.mul_(scales[0] if len(scales) == 1 else scales[0] * scales[1])
-    return partial.sum(0)
+    scale = times(fa, fb)
+    return (partial if scale is None else partial.mul_(scale)).sum(0)
+
+
+def times(fa: torch.Tensor | None, fb: torch.Tensor | None) -> torch.Tensor | None:
+    """The product of two operands' factors, None standing for 1 (None when both are)."""
+    if fa is None or fb is None:
+        return fb if fa is None else fa
+    return fa * fb
 
 
 def product(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> torch.Tensor:
