@@ -3,7 +3,7 @@
     python benchmarks/formats.py [--device cpu|cuda] [--precisions mxfp8,mxfp6,mxfp4,nvfp4,fp8_block]
                                  [--steps N] [--repeats R] [--warmup W] [--threads T]
                                  [--model gpt2|llama] [--model-overrides KEY=VALUE ...] [--quick]
-                                 [--json OUT.json] [--markdown OUT.md] [--no-malloc-tuning]
+                                 [--quantizer compiled|eager] [--json OUT.json] [--markdown OUT.md] [--no-malloc-tuning]
 
 See benchmarks/README.md for what is measured how.
 
@@ -11,8 +11,10 @@ Every mode is `halfprec.training.build.build(cfg)` of `task=lm precision=<mode>`
 the same initial weights), stepped by its `stepper` on the same training micro-batches in the same
 order: precision=bf16 is the reference, each format option swaps the GPT's Linear layers for
 QuantizedLinear, whose GEMMs quantize their operands in the format, emulated (the values' products
-with fp32 accumulation: bf16 operands on a GPU, fp32 ones on a CPU). --model gpt2 (or llama) times
-the ~124M models at batch 8 x 1024 (data.batch_size=8 unless --model-overrides sets it).
+with fp32 accumulation: bf16 operands on a GPU and on a CPU with bf16 units). --model gpt2 (or llama)
+times the ~124M models at batch 8 x 1024 (data.batch_size=8 unless --model-overrides sets it). The
+quantizers are compiled (precision.quantizer=compiled, what a run of 1000 steps or more gets on a
+CPU, and any run on a GPU; the warm-up steps compile them) unless --quantizer eager (--quick's default).
 
 Measured: each mode warms up, then the modes take turns running blocks of --steps steps, the order
 rotating every round, so that machine noise hits all of them alike; the table shows the median over
@@ -247,6 +249,7 @@ def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig)
         "model": f"model={args.model or 'gpt'} " + model_label(cfg),
         "reference": args.reference,
         "format_overrides": args.format_overrides,  # what every format mode adds (not the reference)
+        "quantizer": args.quantizer,
         # whether the ratios hold on a CPU with bf16 units (the reference's bf16 GEMMs, the formats')
         "cpu_bf16_units": native_bf16(cpu_flags()) if device.type == "cpu" else None,
         "overrides": list(args.overrides),
@@ -267,7 +270,7 @@ def markdown(env: dict, rows: list[Row]) -> str:
         f"GLIBC_TUNABLES={env['glibc_tunables']}",
         f"{env['model']}: {env['blocks']} interleaved blocks of {env['steps_per_block']} steps per mode after "
         f"{env['warmup_steps']} warm-up steps; median over blocks, ratio: median of the per-round ratios; "
-        f"quantize share: of one extra step. `{env['command']}`",
+        f"quantize share: of one extra step; {env['quantizer']} quantizers. `{env['command']}`",
         "",
         f"| precision | median ms/step | tokens/s | ratio to {env['reference']} | quantize share | quantize GB/s "
         "| peak MiB | quantized layers | note |",
@@ -312,6 +315,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Hydra overrides for every mode, e.g. model.n_layer=8 model.n_embd=256 (after --quick's)",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: a 1-block GPT of width 32, 2 x 2 steps")
+    parser.add_argument(
+        "--quantizer",
+        choices=["compiled", "eager"],
+        default=None,
+        help="the formats' precision.quantizer (default: compiled, as a long run's; eager with --quick)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table as markdown")
     parser.add_argument("--no-malloc-tuning", action="store_true", help="keep glibc's default malloc thresholds")
@@ -331,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--precisions {','.join(unknown)}: no such precision option in conf/precision/")
     args.reference, args.format_overrides = REFERENCES[args.high]
+    args.quantizer = args.quantizer or ("eager" if args.quick else "compiled")
+    args.format_overrides = [*args.format_overrides, f"precision.quantizer={args.quantizer}"]
     args.precisions = [p for p in dict.fromkeys(args.precisions) if p != args.reference]  # it runs first
     model = [] if args.model is None else [f"model={args.model}"]
     if args.model in ("gpt2", "llama") and not any(o.startswith("data.batch_size=") for o in args.overrides):

@@ -72,6 +72,17 @@ def test_the_compiled_quantizer_is_one_or_two_kernels_whatever_the_size(name, ti
     assert 1 <= small == large <= 2, (small, large)
 
 
+@pytest.mark.parametrize("name, rounding", [("mxfp8", "nearest"), ("nvfp4", "stochastic")])
+def test_the_compiled_cpu_quantizer_is_vectorized_throughout(name, rounding):
+    """inductor's C++ leaves a float/int bit view and int16 arithmetic scalar, and the loop around
+    them (a quantize 4-8x slower): compiled for a CPU, the quantizer rounds in float arithmetic alone
+    (elements.float_only) and takes its random bits as int32."""
+    x, gen = torch.randn(96, 160), torch.Generator().manual_seed(0)  # a shape no other test compiles
+    _, code = run_and_get_code(lambda: quantize(x, name, 0, rounding, gen, compiled=True, split=True))
+    text = "\n".join(code)
+    assert 'extern "C"' in text and "bit_cast" not in text and "int16_t" not in text
+
+
 def test_a_quantized_layer_with_compiled_quantizers_computes_what_the_eager_one_does():
     """NVFP4 with its whole recipe (stochastic gradients, the Hadamard transform, square weight
     blocks): forward, input and weight gradients equal bit for bit, and the next backward pass's
@@ -94,8 +105,9 @@ def test_a_quantized_layer_with_compiled_quantizers_computes_what_the_eager_one_
     assert not same_bits(results[0][1], results[1][1])  # the second pass drew other bits
 
 
-def test_precision_quantizer_auto_compiles_on_a_gpu_alone_and_reaches_every_layer():
+def test_precision_quantizer_auto_compiles_on_a_gpu_or_for_a_long_run_and_reaches_every_layer():
     assert (quantizer_for("auto", "cuda"), quantizer_for("auto", "cpu")) == ("compiled", "eager")
+    assert (quantizer_for("auto", "cpu", 999), quantizer_for("auto", "cpu", 1000)) == ("eager", "compiled")
     assert quantizer_for("compiled", "cpu") == "compiled"
     cfg = compose_cfg(
         "task=lm", "precision=mxfp8", "precision.quantizer=compiled", "precision.rules=[{match: '*.fc', format: mxfp4}]"

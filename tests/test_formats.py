@@ -8,8 +8,9 @@ import torch
 
 from halfprec.numerics.formats import FORMATS, fake_quantize, quantize
 from halfprec.numerics.formats.casts import nearest_cast, torchao_mx, torchao_nvfp4
-from halfprec.numerics.formats.elements import ELEMENTS
+from halfprec.numerics.formats.elements import ELEMENTS, split
 from halfprec.numerics.formats.hadamard import hadamard, random_hadamard, rotate
+from halfprec.numerics.formats.scales import e8m0, e8m0_by_powers
 
 
 def block(*values: float, size: int = 32) -> torch.Tensor:
@@ -86,8 +87,28 @@ def test_rounding_to_nearest_is_the_libraries_cast_bit_for_bit(name):
         expected = x.clamp(-element.max, element.max).to(dtype).float()
     else:
         expected = nearest_cast(name)(x)
-    got = element.nearest(x)
-    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+    for got in (element.nearest(x.clone()), element.nearest_by_splitting(x.clone())):  # eager; compiled on a CPU
+        assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_veltkamps_splitting_rounds_every_fp32_to_nearest_with_ties_to_even(bits):
+    """elements.split against the exponent-bit arithmetic on every fp32 in [1, 4) (the splitting is
+    the same in every binade while nothing overflows): the compiled CPU quantizer rounds with it."""
+    x = torch.arange(0x3F800000, 0x40800000, dtype=torch.int32).view(torch.float32)
+    step = 2.0 ** (1 - bits) * torch.where(x < 2, 1.0, 2.0)
+    assert torch.equal(split(x, bits), x.div(step).round().mul(step))
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+def test_e8m0_scales_in_float_arithmetic_are_the_exponent_bits_ones(rule):
+    """scales.e8m0_by_powers (the compiled CPU quantizer's) against frexp's, where they could part:
+    every power of two from 2^-149 to 2^127 and its neighbours (subnormal and huge amax included)."""
+    powers = torch.ldexp(torch.ones(277), torch.arange(-149, 128))
+    amax = torch.cat([powers, torch.nextafter(powers, powers * 2), torch.nextafter(powers, powers * 0), torch.zeros(1)])
+    amax = torch.cat([amax, amax * 1.5, torch.tensor([torch.finfo(torch.float32).max])]).clamp(max=3.4e38)
+    for element in ELEMENTS.values():
+        assert torch.equal(e8m0_by_powers(amax, element, rule), e8m0(amax, element, rule)), element.name
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,8 @@ class Precision:
     high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
     kernel: Annotated[Literal["emulated", "native"], Spec(doc="how quantized layers compute")]
     quantizer: Annotated[
-        Literal["auto", "eager", "compiled"], Spec(doc="emulated layers' quantizers; auto: compiled on a GPU")
+        Literal["auto", "eager", "compiled"],
+        Spec(doc="emulated layers' quantizers; auto: compiled on a GPU, and on a CPU from 1000 steps"),
     ]
 
 

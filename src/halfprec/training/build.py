@@ -144,7 +144,7 @@ def build(cfg: DictConfig, world: World | None = None) -> Components:
     model = create_model(cfg.model, data.input_shape, data.num_classes)
     apply_init(model, cfg.init)
     model.to(device)
-    policy = PrecisionPolicy.from_config(cfg.precision, device.type)
+    policy = PrecisionPolicy.from_config(cfg.precision, device.type, cfg.trainer.max_steps)
     policy.apply_backend_flags()
     policy.prepare_model(model)
     policy.quantize_layers(model, cfg.seed, world.rank)

@@ -65,6 +65,8 @@ class Element:
         (subnormals; an integer element's whole range: INT8's 2^-6). The power of two below |x| is
         x's fp32 exponent field alone (sign and mantissa masked off): one integer op where frexp and
         exp2 were two slow float ones."""
+        if float_only(x):
+            return power_below(x).clamp(min=2.0**self.emin) * 2.0**-self.mbits
         power = (x.view(torch.int32) & 0x7F800000).view(torch.float32)
         return power.clamp_(min=2.0**self.emin).mul_(2.0**-self.mbits)
 
@@ -75,9 +77,21 @@ class Element:
         4- and 6-bit casts): x / spacing is exact (a power of two) and torch.round rounds half to
         even, so this is the cast, bit for bit (tests/test_formats.py holds it against them), in a
         fraction of the time: on a CPU, float8 -> float32 alone took 13x an elementwise op."""
+        if float_only(x):
+            return self.nearest_by_splitting(x)
         step = self.spacing(x)
         # in place past the first op: a fresh large tensor per op cost a third more (page faults)
         return x.div(step).round_().mul_(step).clamp_(-self.max, self.max)
+
+    def nearest_by_splitting(self, x: torch.Tensor) -> torch.Tensor:
+        """`nearest` in float arithmetic alone (no bit views; see float_only), the same values: from
+        2^emin up, Veltkamp's splitting rounds to the element's 1 + mbits significant bits, ties to
+        even; below, where the spacing is the constant 2^(emin - mbits), adding and subtracting
+        1.5 * 2^(23 + emin - mbits) rounds to its multiples (the fp32 sum's own rounding does it)."""
+        size = x.abs().clamp(max=self.max)  # max is a value: saturating first rounds the same
+        fixed = 1.5 * 2.0 ** (23 + self.emin - self.mbits)
+        below = (size + fixed) - fixed
+        return torch.where(size < 2.0**self.emin, below, split(size, 1 + self.mbits)).copysign(x)
 
     def stochastic(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
         """fp32 -> one of the two values around it, the upper with probability (|x| - lo) / (hi - lo),
@@ -89,8 +103,40 @@ class Element:
         exact to 2^-15 of a gap (hardware draws a few random bits per value too)."""
         size = x.abs().clamp(max=self.max)
         step = self.spacing(size)
+        if float_only(x):  # out of place: compiled, each in-place op became a pass of its own
+            u = (bits.int() & 0x7FFF).float() * 2.0**-15
+            return torch.floor(size / step + u).mul(step).copysign(x)
         # u = k * 2^-15 for the low 15 bits k, added in the same pass (the product is exact)
         return size.div_(step).add_(bits & 0x7FFF, alpha=2.0**-15).floor_().mul_(step).copysign_(x)
+
+
+def float_only(x: torch.Tensor) -> bool:
+    """Whether to round without viewing a float's bits as an integer: when torch.compile writes C++
+    for a CPU, where inductor turns each int/float view into a scalar loop, which made a compiled
+    MXFP8 quantize 6x slower than its float-only twin (2048x512, one thread: 3.2 vs 0.55 ms).
+    Elsewhere the bit view stays: eagerly it is fewer passes over the values, and Triton by default
+    fuses a product and a sum into one FMA, which would skip the rounding `split` relies on."""
+    return x.device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def split(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 x rounded to `bits` significant bits, to nearest with ties to even: Veltkamp's splitting
+    (Dekker 1971), g = x * (2^(24 - bits) + 1), g + (x - g), for |x| below 2^(103 + bits); exact
+    round-to-nearest-even as the casts do it (tests/test_formats.py holds it for every fp32 in [1, 4))."""
+    g = x * float(2 ** (24 - bits) + 1)
+    return g + (x - g)
+
+
+def power_below(x: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 |x|) for finite x (subnormals included; 0 for 0), in float arithmetic alone:
+    |x| rounded to one significant bit is that power or the next; `split` overflows from 2^104, so
+    larger values are brought down by 2^64 first (exact both ways)."""
+    size = x.abs()
+    large = size >= 2.0**64
+    size = torch.where(large, size * 2.0**-64, size)
+    once = split(size, 1)
+    power = torch.where(once > size, once * 0.5, once)
+    return torch.where(large, power * 2.0**64, power)
 
 
 ELEMENTS = {

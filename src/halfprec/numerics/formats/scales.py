@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from halfprec.numerics.formats.elements import ELEMENTS, Element
+from halfprec.numerics.formats.elements import ELEMENTS, Element, float_only, power_below
 
 E8M0_MIN, E8M0_MAX = -127, 127  # the exponents E8M0 holds (its 255 pattern is NaN)
 
 
 def e8m0(amax: torch.Tensor, element: Element, rule: str = "floor") -> torch.Tensor:
     """The power-of-two scale of blocks with largest magnitude `amax` (fp32, finite, >= 0)."""
+    if float_only(amax):
+        return e8m0_by_powers(amax, element, rule)
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     if rule == "floor":
         power = exponent - 1 - element.emax  # floor(log2(amax)) - emax
@@ -38,6 +40,18 @@ def e8m0(amax: torch.Tensor, element: Element, rule: str = "floor") -> torch.Ten
         raise ValueError(f"scale_rule={rule!r}: use floor (OCP MX v1.0) or rceil (cuBLAS, torchao's RCEIL)")
     power = torch.where(amax > 0, power, E8M0_MIN)  # a block of zeros
     return torch.exp2(power.clamp(E8M0_MIN, E8M0_MAX).float())
+
+
+def e8m0_by_powers(amax: torch.Tensor, element: Element, rule: str) -> torch.Tensor:
+    """e8m0's scales in float arithmetic alone (compiled for a CPU: elements.float_only), the same
+    values: 2^floor(log2 amax) from power_below, then exact multiplications by powers of two."""
+    below = power_below(amax)
+    power = below * 2.0**-element.emax  # before any doubling: 2^127 doubled would overflow
+    if rule == "rceil":
+        # amax / max's log2 rounds up past floor(log2 amax) - emax when amax's mantissa exceeds max's
+        # (both quotients exact, in [1, 2); a block of zeros compares NaN, so False)
+        power = torch.where(amax / below > element.max / 2.0**element.emax, power * 2.0, power)
+    return power.clamp(2.0**E8M0_MIN, 2.0**E8M0_MAX)
 
 
 def fp32(amax: torch.Tensor, element: Element) -> torch.Tensor:
