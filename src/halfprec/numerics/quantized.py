@@ -113,7 +113,8 @@ class QuantizedLinear(nn.Linear):
         tile = self.recipe.weight_2d and operand == "weight"
         rounding = "nearest" if generator is None else "stochastic"
         counting = record and self.stats is not None
-        t = t.float()  # a copy for bf16 operands: made once, for the quantizer and the statistics
+        if counting:  # the statistics compare in fp32; the quantizer reads a bf16 operand as it is
+            t = t.float()
         q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=True)
         if counting:
             self.record(operand, t, q.values if q.factor is None else q.values * q.factor, q.saturated)
@@ -148,7 +149,7 @@ class QuantizedLinear(nn.Linear):
         if not self.recipe.hadamard:
             return dy, x
         pad = -dy.shape[0] % HADAMARD_SIZE
-        dy, x = F.pad(dy, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))
+        dy, x = F.pad(dy.float(), (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))  # dy rotated in fp32, kept so
         if self.hadamard_matrix is None:  # one per layer, drawn from its seed
             self.hadamard_matrix = random_hadamard(HADAMARD_SIZE, torch.Generator().manual_seed(self.seed))
         return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
@@ -177,7 +178,7 @@ class QuantizedMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         flat, weight = ctx.saved_tensors
         layer: QuantizedLinear = ctx.layer
-        dy = grad.reshape(-1, grad.shape[-1]).float()
+        dy = grad.reshape(-1, grad.shape[-1])  # as it came: the quantizer reads it in its dtype
         gen = layer.generator(dy.device)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -190,7 +191,7 @@ class QuantizedMatmul(torch.autograd.Function):
             dw = gemm(dyq.t(), layer.quantize(x, "input", 0))
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy.sum(0).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
         return dx, dw, db, None
 
 

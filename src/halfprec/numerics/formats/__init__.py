@@ -135,8 +135,9 @@ def quantize(
     """fake_quantize's values; with `count_saturated`, how many values saturated (past the
     element's largest value once divided by their block's scale, so clamped to it): a 0-dim tensor
     on x's device, not read back. `compiled`: through compiled_quantizer, the same values.
-    `split`: the values without the part of their scale a GEMM applies to its output
-    (Format.factor), and that part as `factor`, shaped to broadcast against them."""
+    `split`: GEMM operands: the values in fp32 whatever x's dtype, without the part of their scale
+    a GEMM applies to its output (Format.factor), and that part as `factor`, shaped to broadcast
+    against them."""
     fmt = format_named(name)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
@@ -148,7 +149,7 @@ def quantize(
     bits = random_bits(x, generator) if rounding == "stochastic" else None
     if bits is not None and compiled and x.device.type == "cpu":
         bits = bits.int()  # inductor's C++ leaves int16 arithmetic scalar, and the whole loop with it
-    core, split = compiled_quantizer() if compiled else quantize_blocks, split and fmt.factor is not None
+    core = compiled_quantizer() if compiled else quantize_blocks
     values, factor, saturated, _ = core(x, name, axis, size, tile, bits, scale_rule, count_saturated, split)
     return Quantized(values, factor, saturated)
 
@@ -171,6 +172,7 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
     stores them once per block; else it recomputed a block's scale, two dozen ops, for each value:
     a compiled MXFP8 quantize along the first axis of 2048x512 took 2.9 ms, 0.8 ms stored)."""
     fmt = FORMATS[name]
+    split_off = split and fmt.factor is not None
     blocks, layout = view(x.float(), axis, size, tile)
     noise = None if bits is None else view(bits, axis, size, tile)[0]
     whole = blocks.device.type != "cpu" or torch.compiler.is_compiling()
@@ -182,7 +184,7 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
     # per block, not per value (the passes over every value are what cost): a block with inf or NaN
     # comes back NaN, one whose NVFP4 scale underflowed E4M3 comes back zeros
     divisor = torch.where(scale > 0, scale, 1.0)
-    back = torch.where(finite, inner if split else scale, torch.nan)
+    back = torch.where(finite, inner if split_off else scale, torch.nan)
     values = torch.empty_like(blocks)
     saturated = torch.zeros((), device=x.device)
     for p in parts:
@@ -191,8 +193,8 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
             saturated += (scaled.abs() > fmt.element.max).sum()
         rounded = fmt.element.nearest(scaled) if noise is None else fmt.element.stochastic(scaled, noise[p])
         torch.mul(rounded, back[p], out=values[p])
-    factor = outer_factor(outer, layout, size) if split else None
-    return restore(values, layout).to(x.dtype), factor, saturated, (divisor, back)
+    factor = outer_factor(outer, layout, size) if split_off else None
+    return restore(values, layout).to(torch.float32 if split else x.dtype), factor, saturated, (divisor, back)
 
 
 @functools.cache
