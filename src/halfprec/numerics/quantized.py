@@ -148,8 +148,10 @@ class QuantizedLinear(nn.Linear):
         zero rows add nothing to dy^T x, rotated or not)."""
         if not self.recipe.hadamard:
             return dy, x
+        dy = dy.float()  # rotated in fp32, and kept so
         pad = -dy.shape[0] % HADAMARD_SIZE
-        dy, x = F.pad(dy.float(), (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))  # dy rotated in fp32, kept so
+        if pad:  # F.pad copies even when it adds nothing
+            dy, x = F.pad(dy, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))
         if self.hadamard_matrix is None:  # one per layer, drawn from its seed
             self.hadamard_matrix = random_hadamard(HADAMARD_SIZE, torch.Generator().manual_seed(self.seed))
         return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
