@@ -25,19 +25,19 @@ E8M0_MIN, E8M0_MAX = -127, 127  # the exponents E8M0 holds (its 255 pattern is N
 
 def e8m0(amax: torch.Tensor, element: Element, rule: str = "floor") -> torch.Tensor:
     """The power-of-two scale of blocks with largest magnitude `amax` (fp32, finite, >= 0)."""
+    if rule not in ("floor", "rceil"):
+        raise ValueError(f"scale_rule={rule!r}: use floor (OCP MX v1.0) or rceil (cuBLAS, torchao's RCEIL)")
     if float_only(amax):
         return e8m0_by_powers(amax, element, rule)
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     if rule == "floor":
         power = exponent - 1 - element.emax  # floor(log2(amax)) - emax
-    elif rule == "rceil":
+    else:
         # amax / max = (mantissa / max_mantissa) * 2^(exponent - max_exponent), the first factor in
         # (0.5, 2): its log2 rounds up to 1 if the mantissas compare so, else to 0 (compared, not
         # divided: a quotient just above 1 can round to 1)
         max_mantissa, max_exponent = (float(v) for v in torch.frexp(torch.tensor(element.max)))
         power = exponent - int(max_exponent) + (mantissa > max_mantissa).int()
-    else:
-        raise ValueError(f"scale_rule={rule!r}: use floor (OCP MX v1.0) or rceil (cuBLAS, torchao's RCEIL)")
     power = torch.where(amax > 0, power, E8M0_MIN)  # a block of zeros
     return torch.exp2(power.clamp(E8M0_MIN, E8M0_MAX).float())
 
