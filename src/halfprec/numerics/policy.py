@@ -35,7 +35,7 @@ COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
 # 0.8 vs 3.0 ms), which saved 70 ms (mxfp8) and 100 ms (nvfp4) of the default GPT's ~0.2-0.3 s step,
 # but compiling its 18 (format, axis, shape) graphs took 48 s with inductor's on-disk cache cold
 # (5 s warm): precision.quantizer=auto compiles on a CPU from this many steps (a cold compile is then
-# at most about half of what it saves).
+# below what it saves: 48 s against 70-100 s).
 COMPILE_PAYS_FROM = 1000
 COMPILED_NOTE = (
     "quantizers: compiled (precision.quantizer), one fused kernel each; the first steps compile each "
