@@ -38,7 +38,7 @@ COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
 # below what it saves: 48 s against 70-100 s).
 COMPILE_PAYS_FROM = 1000
 COMPILED_NOTE = (
-    "quantizers: compiled (precision.quantizer), one fused kernel each; the first steps compile each "
+    "quantizers: compiled (precision.quantizer), one or two fused kernels each; the first steps compile each "
     "(format, axis, shape) a layer meets, a few seconds each (precision.quantizer=eager: none)"
 )
 

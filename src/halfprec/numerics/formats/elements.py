@@ -104,7 +104,7 @@ class Element:
         size = x.abs().clamp(max=self.max)
         step = self.spacing(size)
         if float_only(x):  # out of place: compiled, each in-place op became a pass of its own
-            u = (bits.int() & 0x7FFF).float() * 2.0**-15
+            u = (bits & 0x7FFF).float() * 2.0**-15  # int32 bits: formats.quantize converts them
             return torch.floor(size / step + u).mul(step).copysign(x)
         # u = k * 2^-15 for the low 15 bits k, added in the same pass (the product is exact)
         return size.div_(step).add_(bits & 0x7FFF, alpha=2.0**-15).floor_().mul_(step).copysign_(x)
