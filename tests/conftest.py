@@ -37,7 +37,8 @@ WANDB_ENV = {
 
 @pytest.fixture(scope="session", autouse=True)
 def wandb_offline(tmp_path_factory):
-    """Every test, in-process or subprocess, talks to W&B offline, with W&B's own files in a tmp dir."""
+    """Every test, in-process or subprocess, talks to W&B offline, with W&B's own files in a tmp dir,
+    and to an MLflow store in that dir."""
     home = tmp_path_factory.mktemp("wandb_home")
     with pytest.MonkeyPatch.context() as mp:
         for key, value in WANDB_ENV.items():
@@ -45,6 +46,8 @@ def wandb_offline(tmp_path_factory):
         for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
             mp.setenv(key, str(home / key.lower()))
         mp.delenv("WANDB_API_KEY", raising=False)
+        # logger=mlflow's default store is outputs/mlflow.db under the launch dir: the tests' own instead
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
         mp.delenv("HYDRA_FULL_ERROR", raising=False)  # tests check the messages users see
         yield
 

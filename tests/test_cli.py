@@ -162,10 +162,9 @@ def test_every_config_option_trains(option, tmp_path, disk_data):
         assert [r["scaler/scale"] for r in train_rows] == [expected_scale] * 3
     if group == "logger":
         files = wandb_records.run_files(tmp_path)
-        if name == "none":
-            assert files == []
-        else:
-            assert len(files) == 1 and wandb_records.exit_codes(files[0]) == [0]
+        assert len(files) == (name == "wandb") and all(wandb_records.exit_codes(f) == [0] for f in files)
+        assert (tmp_path / "tensorboard").exists() == (name == "tensorboard")
+        assert (tmp_path / "metrics.csv").exists() == (name == "csv")  # MLflow's store: test_loggers.py
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def test_unwritable_wandb_dir_keeps_training(tmp_path, capsys):
 
 
 def test_wandb_failing_midway_is_dropped_with_a_warning(tmp_path, monkeypatch, capsys):
-    from halfprec.training import tracking
+    from halfprec.loggers.wandb import WandbSink
 
     calls = []
 
@@ -236,7 +236,7 @@ def test_wandb_failing_midway_is_dropped_with_a_warning(tmp_path, monkeypatch, c
         if len(calls) == 2:
             raise OSError("disk full")
 
-    monkeypatch.setattr(tracking.WandbSink, "log", flaky)
+    monkeypatch.setattr(WandbSink, "log", flaky)
     summary = run(compose_cfg("logger=wandb", "trainer.max_steps=30"), tmp_path)
     assert summary["exit_code"] == 0 and calls == [1, 10]  # dropped after the failure, training went on
     assert len([r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]) == 4
@@ -307,7 +307,7 @@ def test_resume_continues_the_same_wandb_run(tmp_path):
 
 
 def test_wandb_disabled_mode_trains(tmp_path):
-    summary = run(compose_cfg("logger=wandb", "logger.mode=disabled", "trainer.max_steps=5"), tmp_path)
+    summary = run(compose_cfg("logger=wandb", "logger.wandb.mode=disabled", "trainer.max_steps=5"), tmp_path)
     assert summary["exit_code"] == 0 and wandb_records.run_files(tmp_path) == []
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import CHEAP, read_jsonl
 
+from halfprec.loggers.wandb import WandbSink, new_run_id
 from halfprec.training import tracking
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.training.run import run
@@ -62,18 +63,19 @@ def test_a_checkpoint_records_the_wandb_run_id_before_wandb_is_up(tmp_path, monk
     assert held == [True]
     (run_file,) = wandb_records.run_files(tmp_path)
     first = load_checkpoint(checkpoint_files(ckpts)[0])
-    assert first["step"] == 2 and first["wandb_id"] == wandb_records.run_info(run_file)["id"]  # resume continues it
+    # the id a resume continues
+    assert first["step"] == 2 and first["loggers"]["wandb"]["id"] == wandb_records.run_info(run_file)["id"]
 
 
 NEVER_ANSWERS = """
 import sys, threading
 import wandb
 from hydra import compose, initialize_config_dir
-from halfprec.training import tracking
+from halfprec.loggers.wandb import WandbSink
 from halfprec.training.run import run
 
 wandb.init = lambda *args, **kwargs: threading.Event().wait()  # no answer, no timeout: never returns
-tracking.WandbSink._left_s = lambda self: 1.0  # finish gives up after 1 s, not W&B's timeout
+WandbSink._left_s = lambda self: 1.0  # finish gives up after 1 s, not W&B's timeout
 with initialize_config_dir(sys.argv[1], version_base="1.3"):
     cfg = compose("train", overrides=["logger=wandb", "trainer.progress=false", *sys.argv[3:]])
 run(cfg, sys.argv[2])
@@ -159,7 +161,7 @@ def test_a_sweep_agents_run_id_is_recorded_and_left_to_wandb(tmp_path, monkeypat
     start = time.monotonic()
     tracker = tracking.build_tracker(compose_cfg("logger=wandb"), tmp_path)
     assert time.monotonic() - start < 10  # wandb.init waits for `release`, build_tracker does not
-    assert tracker.wandb_id == "agentrun1"  # what a checkpoint records before the run is up
+    assert tracker.state() == {"wandb": {"id": "agentrun1"}}  # what a checkpoint records before the run is up
     tracker.log({"step": 1, "train/loss": 2.0})
     release.set()
     tracker.finish({"status": "completed", "exit_code": 0})
@@ -200,7 +202,7 @@ def test_the_next_wandb_run_in_the_process_waits_for_one_given_up_on(tmp_path, m
     monkeypatch.setattr(wandb, "init", init)
     cfg = compose_cfg("logger=wandb", "trainer.max_steps=3", "trainer.log_every=1")
     with monkeypatch.context() as m:
-        m.setattr(tracking.WandbSink, "_left_s", lambda self: 1.0)
+        m.setattr(WandbSink, "_left_s", lambda self: 1.0)
         run(cfg, tmp_path / "job1")  # gives up on W&B after 1 s
     assert "warning: W&B could not start (no answer in" in capsys.readouterr().err
     release.set()
@@ -228,5 +230,5 @@ def test_wandb_failing_to_start_is_one_warning_line(tmp_path, monkeypatch, capsy
 
 
 def test_new_run_ids_look_like_wandbs():
-    ids = {tracking.new_run_id() for _ in range(100)}
+    ids = {new_run_id() for _ in range(100)}
     assert len(ids) == 100 and all(len(i) == 8 and i.isalnum() and i == i.lower() for i in ids)

@@ -128,24 +128,6 @@ SCHEDULES: dict[str, type] = {"constant": ConstantSchedule, "cosine": CosineSche
 
 
 @dataclass
-class NoLogger:
-    kind: Literal["none", "wandb"]
-
-
-@dataclass
-class WandbLogger(NoLogger):
-    mode: Annotated[Literal["offline", "online", "disabled"], Spec(doc="or set WANDB_MODE")]
-    project: str
-    entity: str | None
-    job_type: str | None
-    tags: list[str]
-    group: str | None  # null: the multirun sweep (one group per sweep), none for single runs
-
-
-LOGGERS: dict[str, type] = {"none": NoLogger, "wandb": WandbLogger}
-
-
-@dataclass
 class Trainer:
     max_steps: Annotated[int, Spec(low=1, doc="optimizer steps to run")]
     val_every: Annotated[int, Spec(low=0, doc="optimizer steps between validations; 0 = only at the end")]

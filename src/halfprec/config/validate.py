@@ -8,6 +8,7 @@ adds any key, so unknown keys are checked here too.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import fields
 from typing import Annotated, Any, Literal, get_type_hints
@@ -34,7 +35,7 @@ def validate(cfg: DictConfig) -> None:
     check_quantization(cfg.precision)
     check_variant(cfg.scaler, "scaler", "kind", schema.SCALERS)
     check_variant(cfg.sched, "sched", "name", schema.SCHEDULES)
-    check_variant(cfg.logger, "logger", "kind", schema.LOGGERS)
+    check_loggers(cfg.logger)
     check_node(cfg.trainer, schema.Trainer, "trainer", "trainer")
     check_node(cfg.diagnostics, schema.Diagnostics, "diagnostics", "diagnostics")
     optim = get_type_hints(schema.Optim, include_extras=True)
@@ -67,10 +68,24 @@ def check_quantization(p: DictConfig) -> None:
 
 
 def check_variant(node: DictConfig, group: str, key: str, variants: dict[str, type]) -> None:
-    """A group whose keys depend on one of them (scaler.kind, sched.name, logger.kind)."""
+    """A group whose keys depend on one of them (scaler.kind, sched.name)."""
     choice = node.get(key)
     check_value(f"{group}.{key}", choice, Literal[tuple(variants)])
     check_node(node, variants[choice], group, f"{group}.{key}={choice}")
+
+
+def check_loggers(node: DictConfig) -> None:
+    """logger.<name> for each logger chosen: a registered one (halfprec/loggers), its keys its class's
+    arguments, its package installed (a one-line error with the pip command, before anything runs)."""
+    from halfprec.loggers import LOGGERS  # light: each imports its package when a run starts it
+
+    known_keys(node, "logger", list(LOGGERS), "logger (the loggers: logger=[wandb,tensorboard] turns on two)")
+    for name in map(str, node):  # a composed config's keys are str (known_keys checked each)
+        entry = LOGGERS[name]
+        check_node(node[name], entry.cls, f"logger.{name}", f"logger={name}", hidden=("run",))
+        if importlib.util.find_spec(entry.package) is None:
+            fix = f"needs the {entry.package} package, which is not installed: {entry.install}"
+            raise ConfigError("logger", name, fix)
 
 
 def validate_components(cfg: DictConfig) -> None:

@@ -233,9 +233,16 @@ def checkpoint_state(
         "loop": asdict(loop),
         "rank_loss_sums": rank_loss_sums,  # each rank's loss sum since the last row (LoopState's is rank 0's)
         "config": saved_config(cfg),
-        "wandb_id": tracker.wandb_id,
+        "loggers": tracker.state(),  # each logger's own (W&B's run id, MLflow's): a resume continues them
         "world_size": c.world.size,
     }
+
+
+def logger_states(ckpt: dict) -> dict[str, dict]:
+    """What each logger kept in the checkpoint; one from before the loggers group kept W&B's run id alone."""
+    if "loggers" in ckpt:
+        return ckpt["loggers"]
+    return {"wandb": {"id": ckpt["wandb_id"]}} if ckpt.get("wandb_id") else {}
 
 
 def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:

@@ -15,11 +15,11 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
+from halfprec.loggers import Histogram
 from halfprec.numerics.grads import full
 from halfprec.numerics.params import ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
 from halfprec.numerics.quantized import OPERANDS, QuantizedLinear
-from halfprec.training.tracking import Histogram
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
 FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf

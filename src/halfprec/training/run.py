@@ -25,6 +25,7 @@ from halfprec.training.checkpoint import (
     checkpoint_step,
     find_resume_checkpoint,
     load_checkpoint,
+    logger_states,
     restore,
     schedule_horizon,
 )
@@ -147,9 +148,9 @@ def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
     if world.is_main:
         say_where(cfg, run_dir, path, loop.step, c.policy)
         resume_step = loop.step if ckpt else None
-        tracker = build_tracker(cfg, run_dir, resume_step=resume_step, wandb_id=ckpt["wandb_id"] if ckpt else None)
+        tracker = build_tracker(cfg, run_dir, resume_step=resume_step, states=logger_states(ckpt) if ckpt else None)
     else:
-        tracker = Tracker([])  # rank 0 alone writes metrics and owns the W&B run
+        tracker = Tracker([])  # rank 0 alone writes metrics and owns the loggers' runs
     summary: dict = {"exit_code": 1}
     start, resumed_at = time.perf_counter(), loop.step
     try:

@@ -52,7 +52,8 @@ def log_to_wandb(root: Path, out: Path, jobs: list[Job], tables: dict[str, Table
     import wandb
 
     # the sweep's own project and group, so that the report sits next to the runs it describes
-    logger = jobs[0].config.get("logger") or {}
+    loggers = jobs[0].config.get("logger") or {}
+    logger = loggers.get("wandb") or loggers  # runs from before logger=[...] kept W&B's keys at logger.*
     in_one_sweep = all(job.dir.parent == root and job_number(job.dir) is not None for job in jobs)
     group = logger.get("group") or (f"{root.parent.name}_{root.name}" if in_one_sweep else None)
     run = wandb.init(
