@@ -7,8 +7,8 @@ import torch
 
 from halfprec.config import validate
 from halfprec.errors import ConfigError
+from halfprec.loggers import Histogram
 from halfprec.training.diagnostics import FP16_TINY, LOG2_RANGE, Diagnostics
-from halfprec.training.tracking import Histogram
 
 import wandb_records
 from helpers import batch, build_from, compose_cfg
