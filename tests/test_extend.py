@@ -101,7 +101,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from halfprec.components.data import IGNORE_LABEL, Dataset
+from halfprec.components.data import Dataset
+from halfprec.components.data.batches import IGNORE_LABEL
 from halfprec.components.tasks import Evaluator, Metric, Task, register_task
 
 
