@@ -13,17 +13,10 @@ from conftest import read_jsonl
 from tiny_data import write_cifar10, write_imagefolder
 from torch.utils.data import TensorDataset
 
-from halfprec.components.data import (
-    IGNORE_LABEL,
-    Batches,
-    Dataset,
-    LoaderBatches,
-    Split,
-    Workers,
-    load_cifar10,
-    load_imagefolder,
-    make_synthetic,
-)
+from halfprec.components.data import Dataset
+from halfprec.components.data.arrays import make_synthetic
+from halfprec.components.data.batches import IGNORE_LABEL, Batches, LoaderBatches, Split, Workers
+from halfprec.components.data.image_files import load_cifar10, load_imagefolder
 from halfprec.components.vision import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD
 from halfprec.config import validate
 from halfprec.errors import ConfigError
@@ -307,22 +300,24 @@ def test_digits_are_read_without_importing_scikit_learn_and_equal_its_loader():
     import subprocess
     import sys
 
-    code = (
-        "import sys; from halfprec.components.data import load_digits; load_digits(); print('sklearn' in sys.modules)"
-    )
+    code = "import sys; from halfprec.components.data.arrays import load_digits; load_digits(); "
+    code += "print('sklearn' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
     from sklearn.datasets import load_digits as sk_load_digits
 
-    from halfprec.components.data import _digits_arrays
+    from halfprec.components.data.arrays import _digits_arrays
 
     pixels, labels = _digits_arrays()
     reference = sk_load_digits()
     assert (pixels == reference.data).all() and (labels == reference.target).all()
 
 
-@pytest.mark.parametrize("module", ["halfprec.components.text", "halfprec.components.data"])
-def test_either_data_module_imports_first_and_the_registry_is_whole(module):
-    """data.py and text.py used to import each other: text first was an AttributeError."""
+@pytest.mark.parametrize(
+    "module", ["halfprec.components.data.text", "halfprec.components.data.batches", "halfprec.components.data"]
+)
+def test_any_data_module_imports_first_and_the_registry_is_whole(module):
+    """Every module of the package registers its datasets, whichever is imported first (data.py and
+    text.py once imported each other: text first was an AttributeError)."""
     code = f"import {module}; from halfprec.components.data import DATASETS; print(' '.join(sorted(DATASETS)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -295,7 +295,7 @@ def _bn_net() -> torch.nn.Module:
 def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from halfprec.components.data import make_synthetic
+    from halfprec.components.data.arrays import make_synthetic
     from halfprec.components.tasks.classification import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.distributed import World
@@ -318,7 +318,7 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
 def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_statistics(tmp_path):
     # 15 samples: rank 0 takes 8, rank 1 7 and one padding sample; the sums over both equal one
     # process's evaluation of the whole set with rank 0's model (statistics included)
-    from halfprec.components.data import make_synthetic
+    from halfprec.components.data.arrays import make_synthetic
     from halfprec.components.tasks.classification import Classification
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.metrics import evaluate

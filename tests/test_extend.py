@@ -92,6 +92,51 @@ def test_a_model_is_one_file_plus_a_yaml(fork):
     assert bad.stderr.strip() == "error: model.channels=0: must be an integer >= 1 (conv channels)"
 
 
+# A dataset: one file in components/data/ (registered when the package is imported) and a YAML.
+MY_DATASET = '''"""Stripes: which row of a 4x4 image is lit, for the test that a dataset is one file plus a YAML."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+import torch.nn.functional as F
+
+from halfprec.components.data import Dataset, Split, register_dataset
+from halfprec.spec import Spec
+
+
+@register_dataset("stripes")
+def load_stripes(
+    num_train: Annotated[int, Spec(low=1, doc="training samples")] = 256,
+    noise: Annotated[float, Spec(low=0, doc="the std of the noise on every pixel")] = 0.1,
+    seed: Annotated[int, Spec(low=0, doc="the samples' seed")] = 0,
+) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+
+    def split(n: int) -> Split:
+        y = torch.randint(0, 4, (n,), generator=g)
+        rows = F.one_hot(y, 4).float().view(n, 1, 4, 1).expand(n, 1, 4, 4)
+        return Split(rows + noise * torch.randn(n, 1, 4, 4, generator=g), y)
+
+    return Dataset(split(num_train), split(64), (1, 4, 4), 4)
+'''
+
+
+def test_a_dataset_is_one_file_plus_a_yaml(fork):
+    (fork / "src" / "halfprec" / "components" / "data" / "stripes.py").write_text(MY_DATASET)
+    yaml = "# which row of a 4x4 image is lit\nname: stripes\nbatch_size: 32\nnum_train: 256\nnoise: 0.1\nseed: 0\n"
+    (fork / "conf" / "data" / "stripes.yaml").write_text(yaml)
+    result = train(fork, "data=stripes", "data.num_train=128", "hydra.run.dir=runs/data")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((fork / "runs" / "data" / "summary.json").read_text())
+    assert summary["status"] == "completed" and 0 <= summary["val/acc"] <= 1  # the mlp was built for 1x4x4, 4 classes
+    # its annotated argument is checked like any config key
+    bad = train(fork, "data=stripes", "data.num_train=0", "hydra.run.dir=runs/bad_data")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: data.num_train=0: must be an integer >= 1 (training samples)"
+
+
 # A task: one file in components/tasks/ (registered when the package is imported) and a YAML. Its
 # metrics are the one list the objective, sweep.jsonl and the report's columns read.
 MY_TASK = '''"""The digit's value as a number: the expected class under the softmax, squared error against the label."""
@@ -101,7 +146,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from halfprec.components.data import IGNORE_LABEL, Dataset
+from halfprec.components.data import Dataset
+from halfprec.components.data.batches import IGNORE_LABEL
 from halfprec.components.tasks import Evaluator, Metric, Task, register_task
 
 

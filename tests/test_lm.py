@@ -11,10 +11,10 @@ import torch
 from conftest import read_jsonl
 from test_resume import without_perf
 
-from halfprec.components.data import IGNORE_LABEL, eval_batches
+from halfprec.components.data.batches import IGNORE_LABEL, eval_batches
+from halfprec.components.data.text import load_pydoc, load_text, load_tokens
 from halfprec.components.models.gpt import GPT, create_gpt
 from halfprec.components.tasks.lm import LanguageModelling
-from halfprec.components.text import load_pydoc, load_text, load_tokens
 from halfprec.errors import ConfigError
 from halfprec.training.run import run
 
@@ -197,7 +197,7 @@ def test_a_token_id_out_of_range_anywhere_is_one_line_naming_the_file_the_id_and
 
 
 def test_the_token_id_check_reads_the_whole_file_in_chunks_and_reports_the_first_bad_id(tmp_path, monkeypatch):
-    import halfprec.components.text as text
+    import halfprec.components.data.text as text
 
     monkeypatch.setattr(text, "CHUNK", 1000)  # the file spans many chunks
     tokens = np.zeros(10_000, dtype=np.uint16)

@@ -1,4 +1,2 @@
-"""What a run is built from. The dataset modules register their loaders when imported, so the
-registry (components/data.py, DATASETS) is whole whichever of them is imported first."""
-
-from halfprec.components import data, text  # noqa: F401
+"""What a run is built from: models/, data/ and tasks/ (each a registry, filled by importing every
+module of its package), init schemes (init.py), and torchvision's transforms (vision.py)."""

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from halfprec.components.data import TrainBatches
+from halfprec.components.data.batches import TrainBatches
 from halfprec.errors import ConfigError, naming, show_value
 from halfprec.training import distributed
 from halfprec.training.build import Components

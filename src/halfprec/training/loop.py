@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from halfprec.components.data import TrainBatches
+from halfprec.components.data.batches import TrainBatches
 from halfprec.numerics.scaling import TrainingAborted
 from halfprec.training.build import Components
 from halfprec.training.checkpoint import Checkpointer

@@ -10,7 +10,8 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from halfprec.components.data import Dataset, num_samples
+from halfprec.components.data import Dataset
+from halfprec.components.data.batches import num_samples
 from halfprec.components.tasks import Task
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training import distributed

@@ -42,7 +42,7 @@ class Task:
     name = ""
     metrics: tuple[Metric, ...] = ()  # the val/* values its evaluator reports
     objective = VAL_LOSS.name  # what `objective: null` means: the metric a sweeper optimizes by default
-    learns_from = "classes"  # the targets it needs: a registered dataset's `targets` (components/data.py)
+    learns_from = "classes"  # the targets it needs: a registered dataset's `targets` (components/data/)
 
     @classmethod
     def metric(cls, name: str) -> Metric | None:

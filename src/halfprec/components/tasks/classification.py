@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from halfprec.components.data import IGNORE_LABEL, Dataset  # IGNORE_LABEL: the padding that evens out ranks' shares
+from halfprec.components.data import Dataset
+from halfprec.components.data.batches import IGNORE_LABEL  # the padding that evens out ranks' shares
 from halfprec.components.tasks import VAL_LOSS, Evaluator, Metric, Task, register_task
 
 

@@ -8,7 +8,8 @@ from typing import Annotated
 import torch
 import torch.nn.functional as F
 
-from halfprec.components.data import IGNORE_LABEL, Dataset
+from halfprec.components.data import Dataset
+from halfprec.components.data.batches import IGNORE_LABEL
 from halfprec.components.tasks import VAL_LOSS, Evaluator, Metric, Task, register_task
 from halfprec.spec import Spec
 
