@@ -184,7 +184,7 @@ def schedule_horizon(config: dict) -> int:
 
 # Keys spelled otherwise by older checkpoints: precision.fp8 (torchao's float8 recipe) became a
 # format on precision.kernel=native.
-OLDER_FP8 = {
+OLDER_FP8: dict[str, dict[str, Any]] = {
     "tensorwise": {"precision.format": "fp8_e4m3", "precision.recipe.grad_format": "fp8_e5m2"},
     "rowwise": {"precision.format": "fp8_e4m3_row", "precision.recipe.grad_format": None},
 }
