@@ -72,7 +72,7 @@ def check_nanogpt_can_run(cfg: DictConfig) -> None:
     if cfg.optim._target_ != "torch.optim.AdamW":  # the loop's optimizer is nanoGPT's, AdamW
         sys.exit(f"optim._target_={cfg.optim._target_}: the nanoGPT loop compares AdamW recipes only")
     p = cfg.precision
-    if p.param_dtype != "float32" or p.get("fp8") or p.get("format"):
+    if p.param_dtype != "float32" or p.get("format"):
         sys.exit(f"precision={p.name}: the nanoGPT loop runs fp32 weights under autocast only (fp32, tf32, bf16, fp16)")
 
 

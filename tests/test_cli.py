@@ -41,7 +41,8 @@ OPTIONS = [
     if f"{group.name}={option.stem}" not in ("trainer=ddp", "trainer=fsdp")  # need torchrun: test_distributed.py
 ]
 # Options that only work together with another choice.
-NEEDS = {"init=fixup": ["model=fixup_resnet"], "precision=fp8": ["precision.fp8_emulate=true"]}
+NEEDS = {"init=fixup": ["model=fixup_resnet"]}
+NEEDS |= {f"precision={name}": ["precision.fp8_emulate=true"] for name in ("fp8", "fp8_row")}
 # torchao's low-bit AdamW wants a tensor of 4096 values or more (64 x 64) to quantize
 NEEDS |= {f"optim={name}": ["model.hidden=[64]"] for name in ("adamw8bit", "adamw4bit", "adamw_fp8")}
 # the FP4 recipe's variants are the GPT's (its output head, its last block): two blocks, one kept high
@@ -205,7 +206,7 @@ def runs(cli):
 OPTION_SWEEPS = {
     # tf32 needs CUDA and fp8 an fp8 GPU (it runs emulated in test_every_config_option_trains)
     "precision": [
-        "precision=glob(*,exclude=[tf32,fp8])" if NO_CUDA else "precision=glob(*,exclude=fp8)",
+        "precision=glob(*,exclude=[tf32,fp8,fp8_row])" if NO_CUDA else "precision=glob(*,exclude=[fp8,fp8_row])",
         "model.hidden=[16]",
     ],
     "scaler": ["scaler=glob(*)", "precision=fp16", "model.hidden=[16]"],

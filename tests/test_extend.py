@@ -137,6 +137,56 @@ def test_a_dataset_is_one_file_plus_a_yaml(fork):
     assert bad.stderr.strip() == "error: data.num_train=0: must be an integer >= 1 (training samples)"
 
 
+# A recipe switch: a field of numerics/quantized.py's Recipe (its type, doc and off value), what it
+# does there, and its line in conf/precision/fp32.yaml's recipe block. Here: the input-gradient GEMM
+# unquantized.
+SWITCH_FIELD = (
+    '    weight_2d: Annotated[bool, Spec(doc="square weight blocks (nvfp4 16x16, fp8_block 128x128)")] = False\n',
+    '    high_dgrad: Annotated[bool, Spec(doc="the input-gradient GEMM unquantized")] = False\n',
+)
+SWITCH_BEHAVIOUR = """            dyq = layer.quantize(dy, "grad_output", -1, gen, record=True)
+            dx = gemm(dyq, layer.quantize(weight, "weight", 0)).to(flat.dtype).reshape(ctx.shape)
+"""
+SWITCH_YAML = "  scale_rule: floor "
+
+
+def add_after(path: Path, anchor: str, text: str) -> None:
+    source = path.read_text()
+    assert source.count(anchor) == 1, f"{anchor!r} moved in {path}: update this test's anchors"
+    path.write_text(source.replace(anchor, anchor + text))
+
+
+@pytest.mark.slow  # ~25 s: two runs and three config errors in the copy
+def test_a_recipe_switch_is_a_field_and_a_yaml_line(fork):
+    quantized = fork / "src" / "halfprec" / "numerics" / "quantized.py"
+    add_after(quantized, SWITCH_FIELD[0], SWITCH_FIELD[1])
+    high = "            if layer.recipe.high_dgrad:\n"
+    high += "                dx = (dy.float() @ weight.float()).to(flat.dtype).reshape(ctx.shape)\n"
+    high += "            else:\n" + "".join("    " + line + "\n" for line in SWITCH_BEHAVIOUR.splitlines())
+    source = quantized.read_text()
+    assert source.count(SWITCH_BEHAVIOUR) == 1, "QuantizedMatmul.backward's dx moved: update this test's anchor"
+    quantized.write_text(source.replace(SWITCH_BEHAVIOUR, high))
+    yaml = fork / "conf" / "precision" / "fp32.yaml"
+    line = next(line for line in yaml.read_text().splitlines() if line.startswith(SWITCH_YAML))
+    add_after(yaml, line + "\n", "  high_dgrad: false     # the input-gradient GEMM unquantized\n")
+
+    common = ["precision=mxfp4", "model.hidden=[64,64]", "trainer.val_every=0"]
+    losses = []
+    for on in ("false", "true"):
+        result = train(fork, *common, f"precision.recipe.high_dgrad={on}", f"hydra.run.dir=runs/switch_{on}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append(json.loads((fork / "runs" / f"switch_{on}" / "summary.json").read_text())["train/loss"])
+    assert losses[0] != losses[1]  # fc1's input gradient came through an unquantized GEMM
+    errors = {  # checked as every recipe key is, by the seam's converters as every switch is
+        "precision.recipe.high_dgrad=3": "error: precision.recipe.high_dgrad=3: ",
+        "precision=bf16 precision.recipe.high_dgrad=true": "applies to precision.format's layers; no layer",
+        "precision=fp8 precision.recipe.high_dgrad=true": "torchao's float8 kernel has no precision.recipe.high_dgrad",
+    }
+    for overrides, needle in errors.items():
+        bad = train(fork, *common, *overrides.split(), "hydra.run.dir=runs/bad")
+        assert bad.returncode == 2 and needle in bad.stderr, bad.stderr[-3000:]
+
+
 # A task: one file in components/tasks/ (registered when the package is imported) and a YAML. Its
 # metrics are the one list the objective, sweep.jsonl and the report's columns read.
 MY_TASK = '''"""The digit's value as a number: the expected class under the softmax, squared error against the label."""

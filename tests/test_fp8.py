@@ -16,13 +16,13 @@ from helpers import compose_cfg
 EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_emulated_fp8_trains_like_bf16(recipe, tmp_path):
+@pytest.mark.parametrize("option, fmt", [("fp8", "fp8_e4m3"), ("fp8_row", "fp8_e4m3_row")])
+def test_emulated_fp8_trains_like_bf16(option, fmt, tmp_path):
     steps = ["trainer.max_steps=150", "trainer.log_every=50", "trainer.val_every=0"]
-    fp8 = run(compose_cfg(*EMULATED, f"precision.fp8={recipe}", *steps), tmp_path / "fp8")
+    fp8 = run(compose_cfg(f"precision={option}", "precision.fp8_emulate=true", *steps), tmp_path / "fp8")
     bf16 = run(compose_cfg("precision=bf16", *steps), tmp_path / "bf16")
     # the two hidden Linear layers (64->256, 256->256) compute in float8; the 256->10 classifier cannot
-    assert fp8["precision/layers/float8"] == 2 and fp8["precision/compute_dtype"] == "bfloat16"
+    assert fp8[f"precision/layers/{fmt}"] == 2 and fp8["precision/compute_dtype"] == "bfloat16"
     assert fp8["precision/kernel"] == "torchao"
     assert fp8["train/loss"] == pytest.approx(bf16["train/loss"], abs=0.05)
     assert fp8["val/acc"] > 0.9 and abs(fp8["val/acc"] - bf16["val/acc"]) < 0.03
@@ -39,9 +39,9 @@ def test_fp8_layers_are_torchao_float8_linear():
     ("overrides", "message"),
     [
         (["precision=fp8"], "float8 matmuls need a CUDA GPU of compute capability 8.9+"),
-        (["precision=fp16", "precision.fp8=rowwise"], "precision.fp8=rowwise: float8 Linear layers run inside bf16"),
+        (["precision=fp8", "precision.autocast=float16"], "float8 layers run inside bf16 autocast on fp32 weights"),
         ([*EMULATED, "model.hidden=[10]"], "no Linear layer of this model has in and out features divisible by 16"),
-        (["precision.fp8=blockwise"], "precision.fp8=blockwise: must be one of tensorwise, rowwise, null"),
+        (["precision=fp8", "precision.format=fp8_block"], "torchao has no training kernel for format=fp8_block"),
     ],
 )
 def test_fp8_config_errors(overrides, message):
@@ -71,6 +71,24 @@ def test_an_emulated_fp8_gpt_trains_like_bf16(tmp_path):
     steps = ["trainer.max_steps=300", "trainer.log_every=50", "trainer.val_every=0", "sched.warmup_steps=30"]
     fp8 = run(compose_cfg(*GPT, *EMULATED, *steps), tmp_path / "fp8")
     bf16 = run(compose_cfg(*GPT, "precision=bf16", *steps), tmp_path / "bf16")
-    assert fp8["precision/layers/float8"] == 8
+    assert fp8["precision/layers/fp8_e4m3"] == 8
     assert fp8["val/loss"] < 3.2  # well below a uniform byte's ln 256 = 5.5 nats: it learned
     assert fp8["val/loss"] == pytest.approx(bf16["val/loss"], rel=0.05)  # measured: 2.82 vs 2.89
+
+
+@pytest.mark.parametrize("option, recipe", [("fp8", "tensorwise"), ("fp8_row", "rowwise")])
+def test_a_checkpoint_from_before_the_converters_resumes_as_the_fp8_run_it_was(option, recipe):
+    """Checkpoints from before precision=fp8 became a format on precision.kernel=native spelled it
+    precision.fp8=<torchao recipe>, with no format and the emulated kernel."""
+    from pathlib import Path
+
+    from halfprec.training.checkpoint import check_resume_config
+    from halfprec.training.tracking import saved_config
+
+    new = saved_config(compose_cfg(f"precision={option}"))
+    p = {**new["precision"], "fp8": recipe, "format": None, "kernel": "emulated"}
+    old = {**new, "precision": {**p, "recipe": {**p["recipe"], "grad_format": None}}}
+    assert check_resume_config(old, new, Path("step-00000004.pt")) == []
+    emulated = saved_config(compose_cfg(f"precision={option}", "precision.kernel=emulated"))
+    with pytest.raises(ConfigError, match="was trained with precision.kernel='native'"):  # torchao's layers
+        check_resume_config(old, emulated, Path("step-00000004.pt"))

@@ -13,10 +13,11 @@ from torch import nn
 from halfprec.config import validate
 from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
+from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.layers import HIGH, Rule, plan_layers, swap_emulated
+from halfprec.numerics.layers import HIGH, Rule, plan_layers
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, keep_eager
 from halfprec.training.build import build
 from halfprec.training.run import run
@@ -246,7 +247,7 @@ def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
             r"scale_rule=rceil: is for formats with E8M0 scales .* \(nvfp4\): set precision.recipe.scale_rule=floor",
         ),
         (["precision=mxfp4", "precision.recipe=nvfp4"], "precision.recipe=nvfp4: a mapping of grad_format,"),
-        (["precision=fp8", "precision.format=mxfp8"], "precision.fp8=tensorwise: torchao's float8 layers or"),
+        (["precision=fp8", "precision.format=mxfp8"], "torchao has no training kernel for format=mxfp8"),
         (["precision=bf16", "precision.high_last=1"], "precision.high_last=1: keeps blocks high while the others"),
         (
             ["precision=bf16", "precision.recipe.hadamard=true"],
@@ -394,7 +395,8 @@ def test_the_native_kernel_is_torchaos_float8_computing_the_same_format(tmp_path
         (NATIVE, "float8 matmuls need a CUDA GPU of compute capability 8.9"),
         (["precision=mxfp8", "precision.kernel=native"], "torchao has no training kernel for format=mxfp8 with"),
         ([*NATIVE, "precision.recipe.stochastic_grads=true"], "float8 kernel has no precision.recipe.stochastic"),
-        (["precision=fp8", "precision.kernel=native"], "precision.fp8 is torchao's kernel already"),
+        (["precision=fp8", "precision.recipe.hadamard=true"], "float8 kernel has no precision.recipe.hadamard"),
+        ([*NATIVE[1:], "precision=fp16"], "float8 layers run inside bf16 autocast on fp32 weights, not precision=fp16"),
     ],
 )
 def test_native_kernel_config_errors(overrides, message):

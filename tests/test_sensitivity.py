@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from halfprec.components.tasks.classification import Classification
+from halfprec.numerics.formats import BLOCK_SCALED
 from halfprec.numerics.policy import PrecisionPolicy
-from halfprec.tools.sensitivity import BLOCK_FORMATS
 from halfprec.tools.sensitivity.measure import (
     WHOLE,
     Agreement,
@@ -229,14 +229,14 @@ def test_the_tool_measures_a_run_of_every_precision_option(precision, tmp_path, 
     from halfprec.tools.cli import main
     from halfprec.training.run import run
 
-    emulate = ["precision.fp8_emulate=true"] if precision == "fp8" else []  # fp8 tensor cores: none here
+    emulate = ["precision.fp8_emulate=true"] if precision in ("fp8", "fp8_row") else []  # no fp8 tensor cores here
     cfg = compose_cfg(*GPT, "model.n_layer=1", f"precision={precision}", *emulate, "trainer.max_steps=1",
                       "trainer.val_every=0")  # fmt: skip
     run(cfg, tmp_path)
     assert main(["sensitivity", str(tmp_path), "--batches", "1"]) == 0, capsys.readouterr().err
     summary = json.loads((tmp_path / "sensitivity.json").read_text())
     own = [cfg.precision.format] if cfg.precision.format else []
-    assert summary["formats"] == list(dict.fromkeys([*own, *BLOCK_FORMATS]))
+    assert summary["formats"] == list(dict.fromkeys([*own, *BLOCK_SCALED]))
     assert len(summary["rows"]) == len(summary["formats"]) * (4 + 1 + 1)  # 4 block layers, the head, the whole
 
 

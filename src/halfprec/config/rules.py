@@ -36,10 +36,6 @@ def check_precision(p: DictConfig, distributed: str) -> None:
             p["update"],
             f"implemented for bfloat16 weights, not {p.param_dtype}",
         )
-    if p.fp8 and (p.autocast != "bfloat16" or p.param_dtype != "float32"):
-        raise ConfigError(
-            "precision.fp8", p.fp8, "float8 Linear layers run inside bf16 autocast on fp32 weights: use precision=fp8"
-        )
     check_layer_formats(p)
     if distributed == "fsdp" and p.param_dtype != "float32":
         raise ConfigError(
@@ -61,19 +57,14 @@ def master_kind(p: DictConfig) -> str:
     return p.get("master") or ("fp32" if p.master_weights else "none")
 
 
+def quantizes(p: DictConfig) -> bool:
+    """Whether any layer is quantized: a format, or a rule naming one."""
+    return bool(p.format or any(r.format != "high" for r in p.rules))
+
+
 def check_layer_formats(p: DictConfig) -> None:
-    """precision.format (emulated) and precision.fp8 (torchao's layers) are two ways of quantizing
-    the Linear layers: one at a time; the recipe and the high blocks need one of them."""
-    quantized = p.format or p.fp8 or any(r.format != "high" for r in p.rules)
-    if p.format and p.fp8:
-        raise ConfigError(
-            "precision.fp8", p.fp8, f"torchao's float8 layers or precision.format={p.format}, not both: set one null"
-        )
-    recipe = {k: v for k, v in p.recipe.items() if v not in (None, False, "floor")}
-    if recipe and (p.fp8 or not quantized):
-        key, value = next(iter(recipe.items()))
-        why = "torchao's float8 layers have recipes of their own (precision.fp8)" if p.fp8 else "no layer is quantized"
-        raise ConfigError(f"precision.recipe.{key}", value, f"applies to precision.format's layers; {why}")
+    """The high blocks apply to quantized layers (the recipe too: check_formats)."""
+    quantized = quantizes(p)
     for key in ("high_first", "high_last"):
         if p[key] and not quantized:
             raise ConfigError(
@@ -89,18 +80,27 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
     from halfprec.numerics.layers import recipe_reach
     from halfprec.numerics.quantized import Recipe
 
+    switched = {k: v for k, v in p.recipe.items() if v != getattr(Recipe(), str(k))}  # away from its off value
+    if switched and not quantizes(p):
+        key, value = next(iter(switched.items()))
+        raise ConfigError(
+            f"precision.recipe.{key}", value, "applies to precision.format's layers; no layer is quantized"
+        )
+
     names = ", ".join(formats)
     for key in ("format", "recipe.grad_format"):
         value = p.format if key == "format" else p.recipe.grad_format
         if value is not None and value not in formats:
             raise ConfigError(f"precision.{key}", value, f"no such number format; they are {names}")
-    allowed = ("high", "float8") if p.fp8 else ("high", *formats)
     for i, rule in enumerate(p.rules):
-        if rule.format not in allowed:
-            what = "with precision.fp8 a rule says high or float8" if p.fp8 else f"a format ({names}) or high"
-            raise ConfigError(f"precision.rules[{i}].format", rule.format, what)
+        if rule.format not in ("high", *formats):
+            raise ConfigError(f"precision.rules[{i}].format", rule.format, f"a format ({names}) or high")
     used = [f for f in dict.fromkeys([p.format, *(r.format for r in p.rules)]) if f in formats]
-    if used:
+    if p.kernel != "emulated":  # the others compute what they compute: their converter says what
+        from halfprec.numerics.converters import CONVERTERS
+
+        CONVERTERS[p.kernel].check_config(p)
+    elif used:
         recipe_reach(used, Recipe(**p.recipe))
 
 
@@ -242,58 +242,10 @@ def resolve_device(cfg: DictConfig):
         raise ConfigError(
             "precision", p.name, "TF32 is a CUDA (Ampere+) matmul mode; on CPU it would silently be fp32: use fp32"
         )
-    if p.fp8 or p.kernel == "native":
-        check_fp8(p, device)
+    from halfprec.numerics.converters import CONVERTERS
+
+    CONVERTERS[p.kernel].check_device(p, device)  # the converter's library, the chip it needs
     uses_bf16 = "bfloat16" in (p.autocast, p.param_dtype)
     if uses_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision", p.name, "this GPU has no bfloat16 support; use fp16 or fp16_pure")
     return device
-
-
-def check_native(p: DictConfig) -> None:
-    """precision.kernel=native: a format torchao has a training kernel for, as the format defines it
-    (no recipe switch the kernel lacks, no rule naming another format)."""
-    from halfprec.numerics.layers import NATIVE, native_recipe
-    from halfprec.numerics.quantized import RECIPE_SWITCHES
-
-    key = "precision.kernel"
-    if p.fp8:
-        raise ConfigError(key, "native", "precision.fp8 is torchao's kernel already: set precision.kernel=emulated")
-    if native_recipe(p.format, p.recipe.grad_format) is None:
-        have = "; ".join(f"format={f}" + (f" recipe.grad_format={g}" if g else "") for f, g in NATIVE)
-        raise ConfigError(
-            key, "native", f"torchao has no training kernel for format={p.format} with recipe.grad_format="
-            f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
-        )  # fmt: skip
-    switches = [k for k in RECIPE_SWITCHES if p.recipe[k]]
-    others = [r.format for r in p.rules if r.format not in ("high", p.format)]
-    if switches or others:
-        what = f"precision.recipe.{switches[0]}" if switches else f"a rule's format {others[0]}"
-        raise ConfigError(key, "native", f"torchao's float8 kernel has no {what}: use precision.kernel=emulated")
-
-
-def check_fp8(p: DictConfig, device) -> None:
-    """float8 matmuls need torchao and, unless emulated, fp8 tensor cores: say which is missing."""
-    import importlib.util
-
-    import torch
-
-    if p.kernel == "native":
-        check_native(p)
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("precision", p.name, 'needs torchao: pip install -e ".[fp8]"')
-    if p.fp8_emulate:
-        return
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
-        key, value, instead = (
-            ("precision.kernel", "native", "precision.kernel=emulated")
-            if p.kernel == "native"
-            else ("precision", p.name, "precision=bf16")
-        )
-        raise ConfigError(
-            key,
-            value,
-            f"float8 matmuls need a CUDA GPU of compute capability 8.9+ (H100, H200, L4, RTX 4090); this is {where}: "
-            f"use {instead}, or precision.fp8_emulate=true to check torchao's numerics (slowly)",
-        )

@@ -49,28 +49,19 @@ class Precision:
     keep_norm_fp32: bool
     tf32: bool
     reduce_dtype: Dtype  # trainer=fsdp: the dtype gradients are reduce-scattered in
-    fp8: Annotated[Literal["tensorwise", "rowwise"] | None, Spec(doc="torchao float8 recipes; null = off")]
-    fp8_emulate: bool
+    fp8_emulate: Annotated[bool, Spec(doc="precision.kernel=native: torchao's float8 casts in emulation (any device)")]
     # the names of halfprec/numerics/formats and each rule's keys: config/validate.py, with the registry
     format: Annotated[str | None, Spec(doc="a number format of halfprec/numerics/formats, e.g. mxfp8; null = none")]
-    recipe: Any  # QuantRecipe
+    recipe: Any  # numerics/quantized.Recipe (config/validate.py: check_recipe)
     rules: Annotated[list[Any], Spec(doc="[{match: <glob on module names>, format: <format> | high}, ...]")]
     high_first: Annotated[int, Spec(low=0, doc="the first N transformer blocks stay high")]
     high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
-    kernel: Annotated[Literal["emulated", "native"], Spec(doc="how quantized layers compute")]
+    # a converter of halfprec/numerics/converters
+    kernel: Annotated[Literal["emulated", "native"], Spec(doc="how quantized layers compute (numerics/converters)")]
     quantizer: Annotated[
         Literal["auto", "eager", "compiled"],
         Spec(doc="emulated layers' quantizers; auto: compiled on a GPU, and on a CPU from 1000 steps"),
     ]
-
-
-@dataclass
-class QuantRecipe:
-    grad_format: Annotated[str | None, Spec(doc="the gradients' number format; null = the layer's")]
-    stochastic_grads: bool
-    hadamard: bool
-    weight_2d: bool
-    scale_rule: Annotated[Literal["floor", "rceil"], Spec(doc="the MX formats' E8M0 scale")]
 
 
 @dataclass

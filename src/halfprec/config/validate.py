@@ -50,16 +50,22 @@ def validate(cfg: DictConfig) -> None:
     validate_components(cfg)
 
 
-def check_quantization(p: DictConfig) -> None:
-    """precision.recipe and each of precision.rules: their keys and types (the format names are
-    checked with the registry, in validate_components)."""
+def check_recipe(p: DictConfig) -> None:
+    """precision.recipe against its dataclass, numerics/quantized.Recipe (which imports torch)."""
+    from halfprec.numerics.quantized import Recipe
+
     if not isinstance(p.recipe, DictConfig):  # precision.recipe=nvfp4: a recipe is the option's, not a name
-        keys = ", ".join(f.name for f in fields(schema.QuantRecipe))
+        keys = ", ".join(f.name for f in fields(Recipe))
         raise ConfigError(
             "precision.recipe", p.recipe, f"a mapping of {keys}, set one at a time (precision.recipe.hadamard=true); "
             "a format's own recipe comes with its option: precision=nvfp4 is nvfp4 with its recipe",
         )  # fmt: skip
-    check_node(p.recipe, schema.QuantRecipe, "precision.recipe", "precision.recipe")
+    check_node(p.recipe, Recipe, "precision.recipe", "precision.recipe")
+
+
+def check_quantization(p: DictConfig) -> None:
+    """Each of precision.rules: its keys and types (the format names are checked with the registry,
+    in validate_components)."""
     for i, rule in enumerate(p.rules):
         key = f"precision.rules[{i}]"
         if not isinstance(rule, DictConfig) or set(rule) != {"match", "format"}:
@@ -102,6 +108,7 @@ def validate_components(cfg: DictConfig) -> None:
     check_value("precision.update", cfg.precision["update"], rule)
     from halfprec.numerics.formats import FORMATS
 
+    check_recipe(cfg.precision)
     rules.check_formats(cfg.precision, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
     check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))

@@ -6,23 +6,21 @@ The plan names a format, or `high`, for every Linear layer: the first rule whose
 layer's name; else `high` for the first/last N blocks and the output head; else precision.format.
 As in NVIDIA's NVFP4 recipe, embeddings, norms, attention's softmax and convolutions are not Linear
 layers and stay high; so does the output head (a model's `keep_high` names, else its last Linear
-layer) unless a rule names it. A converter swaps the planned layers: QuantizedLinear (emulated, any
-format of numerics/formats) or torchao's Float8Linear (precision.fp8, a real kernel on fp8 GPUs).
+layer) unless a rule names it. A converter (numerics/converters) swaps the planned layers.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from torch import nn
 
 from halfprec.errors import ConfigError
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.formats.casts import quiet_import
-from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.quantized import Recipe
 
 HIGH = "high"  # a layer left as it was: it computes in the run's autocast or parameter dtype
 
@@ -83,15 +81,15 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_f
 
 
 def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int, high_last: int,
-                        float8: bool, name: str) -> ConfigError:  # fmt: skip
+                        fits: Callable[[nn.Module], bool] | None, unfit: str, name: str) -> ConfigError:  # fmt: skip
     """Why a plan keeps every Linear layer high, as one line naming the setting that does it: the high
-    blocks, a rule sending the rest high, float8's multiples of 16, or a model whose only Linear
-    layer is its output head. Each cause is found by planning again without it."""
+    blocks, a rule sending the rest high, layers the converter cannot take (`fits`, which asks
+    `unfit`: float8's multiples of 16), or a model whose only Linear layer is its output head. Each
+    cause is found by planning again without it."""
 
     def quantizes(rules: Sequence[Rule], first: int, last: int, fits: Callable[[nn.Module], bool] | None) -> bool:
         return any(f != HIGH for f in plan_layers(model, fmt, rules, first, last, fits).values())
 
-    fits = float8_fits if float8 else None
     blocks = len(block_names(model))
     if (high_first or high_last) and quantizes(rules, 0, 0, fits):
         key, value = ("precision.high_last", high_last) if high_last else ("precision.high_first", high_first)
@@ -105,9 +103,9 @@ def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule]
                 f"precision.rules[{i}].match", rule.match, "sends every Linear layer left to quantize high (the "
                 "output head is high already): narrow the glob, or use precision=bf16 for no quantized layer",
             )  # fmt: skip
-    if float8 and quantizes(rules, high_first, high_last, None):
-        return ConfigError("precision", name, "no Linear layer of this model has in and out features divisible by 16, "
-                           "so none can compute in float8 (the output head stays high unless a precision.rules entry "
+    if fits is not None and quantizes(rules, high_first, high_last, None):
+        return ConfigError("precision", name, f"no Linear layer of this model has {unfit}, so none can compute in "
+                           f"{fmt} with precision.kernel (the output head stays high unless a precision.rules entry "
                            "names it): widen the model or use precision=bf16")  # fmt: skip
     if not linear_layers(model):
         return ConfigError("precision", name, f"{type(model).__name__} has no Linear layer (convolutions, embeddings "
@@ -122,21 +120,6 @@ def layer_seed(seed: int, name: str, rank: int) -> int:
     """A layer's stochastic-rounding seed: the run's seed, the layer's name (crc32: the same in every
     process, where str hashes are not) and the rank (ranks round their own gradients independently)."""
     return (seed << 40) ^ (rank << 32) ^ zlib.crc32(name.encode())
-
-
-def swap_emulated(
-    model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int, compiled: bool = False
-) -> None:
-    """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters; `compiled`:
-    its quantizers through torch.compile."""
-    for name, fmt in plan.items():
-        if fmt == HIGH:
-            continue
-        linear = model.get_submodule(name)
-        assert isinstance(linear, nn.Linear)
-        seed_of_layer = layer_seed(seed, name, rank)
-        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), seed_of_layer, compiled)
-        model.set_submodule(name, layer)
 
 
 # The recipe switches only some formats can use (the others apply to every quantized layer): for
@@ -177,38 +160,6 @@ def recipe_reach(formats: Sequence[str], recipe: Recipe) -> list[str]:
     return lines
 
 
-def float8_fits(module: nn.Module) -> bool:
-    assert isinstance(module, nn.Linear)
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0  # what float8 matmuls need
-
-
-# The formats torchao has a training kernel for (precision.kernel=native): torchao.float8's recipes,
-# configured to compute the format's values (rowwise: fp32 scales, as fp8_e4m3_row defines them,
-# not torchao's default power-of-two ones). torchao 0.18 trains MX formats only in MoE grouped
-# GEMMs and NVFP4 not at all, so they have none here.
-NATIVE = {("fp8_e4m3", "fp8_e5m2"): "tensorwise", ("fp8_e4m3_row", None): "rowwise"}
-
-
-def native_recipe(fmt: str | None, grad_format: str | None) -> str | None:
-    """torchao's float8 recipe that computes `fmt` (gradients in `grad_format`), or None."""
-    return NATIVE.get((fmt or "", grad_format))
-
-
-def swap_float8(model: nn.Module, plan: dict[str, str], recipe: str, emulate: bool) -> None:
-    """torchao's Float8Linear for each planned layer, before any wrapping (DDP, FSDP2, torch.compile)
-    as torchao asks; each tagged with its planned format (layer_format reads it back)."""
-    with quiet_import():
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    if recipe == "rowwise":
-        config = replace(config, round_scales_to_power_of_2=False)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: plan.get(name, HIGH) != HIGH)
-    for name, fmt in plan.items():
-        if fmt != HIGH:
-            setattr(model.get_submodule(name), "halfprec_format", fmt)  # noqa: B010 (mypy: not a declared attribute)
-
-
 def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
     """The plan as a few lines for the start of a run: each format, how many Linear layers compute
     in it, and the first few of them (`high` last)."""
@@ -223,13 +174,3 @@ def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
         listed = ", ".join(names[:shown]) + (f", +{len(names) - shown} more" if len(names) > shown else "")
         lines.append(f"{'layers:' if i == 0 else '':8}{fmt:{width}}  {len(names):3d}  {listed}")
     return lines
-
-
-def layer_format(module: nn.Module) -> str:
-    """The format a layer computes in, read off the layer itself (the first-step check compares it
-    with the plan): a QuantizedLinear's, the tag swap_float8 gave a Float8Linear, else high."""
-    if isinstance(module, QuantizedLinear):
-        return module.format
-    if type(module).__name__ == "Float8Linear":
-        return str(getattr(module, "halfprec_format", "float8"))
-    return HIGH

@@ -11,19 +11,9 @@ import torch
 from torch import nn
 
 from halfprec.errors import PrecisionMismatch
-from halfprec.numerics.layers import (
-    HIGH,
-    Rule,
-    float8_fits,
-    layer_format,
-    native_recipe,
-    nothing_to_quantize,
-    plan_layers,
-    recipe_reach,
-    swap_emulated,
-    swap_float8,
-)
-from halfprec.numerics.quantized import Recipe, gemm_note
+from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
+from halfprec.numerics.layers import HIGH, Rule, nothing_to_quantize, plan_layers
+from halfprec.numerics.quantized import Recipe
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,10 +27,6 @@ COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
 # (5 s warm): precision.quantizer=auto compiles on a CPU from this many steps (a cold compile is then
 # below what it saves: 48 s against 70-100 s).
 COMPILE_PAYS_FROM = 1000
-COMPILED_NOTE = (
-    "quantizers: compiled (precision.quantizer), one or two fused kernels each; the first steps compile each "
-    "(format, axis, shape) a layer meets, a few seconds each (precision.quantizer=eager: none)"
-)
 
 
 @dataclass
@@ -54,14 +40,13 @@ class PrecisionPolicy:
     tf32: bool
     device_type: str = "cpu"
     reduce_dtype: torch.dtype = torch.float32  # trainer=fsdp: dtype gradients are reduce-scattered in
-    fp8: str | None = None  # torchao float8 recipe for Linear layers: tensorwise | rowwise
-    fp8_emulate: bool = False
+    fp8_emulate: bool = False  # precision.kernel=native: torchao's float8 casts in emulation
     format: str | None = None  # the number format of the Linear layers' GEMMs, emulated (numerics/formats)
     recipe: Recipe = field(default_factory=Recipe)
     rules: tuple[Rule, ...] = ()
     high_first: int = 0
     high_last: int = 0
-    kernel: str = "emulated"  # emulated (QuantizedLinear) | native (torchao's kernel for the format)
+    kernel: str = "emulated"  # the converter (numerics/converters): emulated (QuantizedLinear) | native (torchao)
     quantizer: str = "eager"  # emulated layers' quantizers: eager | compiled (precision.quantizer, resolved)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
@@ -81,7 +66,6 @@ class PrecisionPolicy:
             tf32=bool(cfg.tf32),
             device_type=device_type,
             reduce_dtype=DTYPES[cfg.reduce_dtype],
-            fp8=cfg.fp8,
             fp8_emulate=bool(cfg.fp8_emulate),
             format=cfg.format,
             recipe=Recipe(**cfg.recipe),
@@ -136,26 +120,18 @@ class PrecisionPolicy:
         return kept
 
     def quantize_layers(self, model: nn.Module, seed: int = 0, rank: int = 0) -> dict[str, str]:
-        """Swap the Linear layers the plan gives a format (numerics/layers.py) for quantized ones:
-        emulated QuantizedLinear, or torchao's Float8Linear (precision.fp8, precision.kernel=native);
-        before any wrapping (DDP, FSDP2, torch.compile). Return the plan: each Linear's format or high."""
-        if not (self.format or self.fp8 or any(r.format != HIGH for r in self.rules)):
+        """Swap the Linear layers the plan gives a format (numerics/layers.py) for the quantized ones of
+        the converter precision.kernel names (numerics/converters), before any wrapping (DDP, FSDP2,
+        torch.compile). Return the plan: each Linear's format or high."""
+        if not (self.format or any(r.format != HIGH for r in self.rules)):
             return {}
-        float8 = self.fp8 or (native_recipe(self.format, self.recipe.grad_format) if self.kernel == "native" else None)
-        default = "float8" if self.fp8 else self.format
-        plan = plan_layers(model, default, self.rules, self.high_first, self.high_last, float8_fits if float8 else None)
+        converter = CONVERTERS[self.kernel]
+        plan = plan_layers(model, self.format, self.rules, self.high_first, self.high_last, converter.fits)
         if all(f == HIGH for f in plan.values()):
-            first, last = self.high_first, self.high_last
-            raise nothing_to_quantize(model, default, self.rules, first, last, bool(float8), self.name)
-        if not float8:
-            self.notes = recipe_reach(list(dict.fromkeys(f for f in plan.values() if f != HIGH)), self.recipe)
-        if float8:
-            swap_float8(model, plan, float8, self.fp8_emulate)
-        else:
-            swap_emulated(model, plan, self.recipe, seed, rank, self.quantizer == "compiled")
-            self.notes.append(gemm_note(self.device_type))
-            if self.quantizer == "compiled":
-                self.notes.append(COMPILED_NOTE)
+            first, last, unfit = self.high_first, self.high_last, converter.unfit
+            raise nothing_to_quantize(model, self.format, self.rules, first, last, converter.fits, unfit, self.name)
+        how = Conversion(self.recipe, seed, rank, self.device_type, self.quantizer, self.fp8_emulate)
+        self.notes = converter.convert(model, plan, how)
         self.layers = plan
         return plan
 
@@ -190,7 +166,7 @@ class PrecisionPolicy:
         """Each Linear layer still computes in its planned format at the first step (nothing swapped
         it back or wrapped it away); the counts per format, `precision/layers/<format>`, and what
         computes them, `precision/kernel`: emulated (QuantizedLinear) or torchao (Float8Linear)."""
-        kernel = "torchao" if self.fp8 or self.kernel == "native" else "emulated"
+        kernel = CONVERTERS[self.kernel].reports_as
         counts: dict[str, str | int] = {"precision/kernel": kernel} if self.layers else {}
         for name, planned in self.layers.items():
             found = layer_format(model.get_submodule(name))

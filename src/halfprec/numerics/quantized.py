@@ -24,7 +24,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from torch import nn
 from halfprec.machine import cpu_flags, native_bf16
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
+from halfprec.spec import Spec
 
 OPERANDS = ("input", "weight", "grad_output")  # the operands quantization statistics are kept for
 HADAMARD_SIZE = 16
@@ -40,21 +41,22 @@ HADAMARD_SIZE = 16
 SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
-# Recipe's on/off switches: what a precision option turns on, and what a kernel or tool may lack
-RECIPE_SWITCHES = ("stochastic_grads", "hadamard", "weight_2d")
-
-
 @dataclass(frozen=True)
 class Recipe:
-    """How a layer's GEMMs use its format (precision.recipe): the gradient's own format (null: the
-    layer's), stochastic rounding of the gradient operand, the random Hadamard transform of both
-    weight-gradient operands, square weight blocks, and the MX formats' E8M0 scale rule."""
+    """How a layer's GEMMs use its format: `precision.recipe`'s keys, declared here alone (config
+    validation reads their types and docs; conf/precision/fp32.yaml gives every option its values).
+    A field's default is its off value, what a checkpoint from before the switch existed implies.
+    A new switch: a field here, what it does below, and its line in fp32.yaml's recipe block."""
 
-    grad_format: str | None = None
-    stochastic_grads: bool = False
-    hadamard: bool = False
-    weight_2d: bool = False
-    scale_rule: str = "floor"
+    grad_format: Annotated[
+        str | None, Spec(doc="the gradients' number format; null = the layer's (e.g. fp8_e4m3 forward, fp8_e5m2 grads)")
+    ] = None
+    stochastic_grads: Annotated[bool, Spec(doc="round gradient operands stochastically (seeded, resumed exactly)")] = (
+        False
+    )
+    hadamard: Annotated[bool, Spec(doc="a random 16x16 Hadamard transform of both weight-gradient operands")] = False
+    weight_2d: Annotated[bool, Spec(doc="square weight blocks (nvfp4 16x16, fp8_block 128x128)")] = False
+    scale_rule: Annotated[Literal["floor", "rceil"], Spec(doc="the MX formats' E8M0 scale")] = "floor"
 
     def for_format(self, fmt: str) -> Recipe:
         """The recipe a layer in `fmt` follows: square weight blocks only where the format has them
@@ -62,6 +64,10 @@ class Recipe:
         a rule sending the attention to mxfp8). The E8M0 rule needs no such care: `quantize` applies
         it to the operands whose format has E8M0 scales."""
         return replace(self, weight_2d=False) if self.weight_2d and FORMATS[fmt].tile is None else self
+
+
+# Recipe's on/off switches: what a precision option turns on, and what a kernel or tool may lack
+RECIPE_SWITCHES = tuple(name for name, hint in get_type_hints(Recipe).items() if hint is bool)
 
 
 class QuantizedLinear(nn.Linear):

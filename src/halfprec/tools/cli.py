@@ -10,8 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from halfprec.tools.sensitivity import BLOCK_FORMATS
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfprec", description="Tools around halfprec runs and sweeps.")
@@ -64,7 +62,8 @@ def add_sensitivity(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", type=Path, metavar="RUN_DIR", help="a run dir (its newest checkpoint) or a step-*.pt")
     parser.add_argument("--formats", help="comma-separated; the first is the one the suggested rules are for "
-                        f"(default: the run's precision.format, then {','.join(BLOCK_FORMATS)})")  # fmt: skip
+                        "(default: the run's precision.format, then every block-scaled format of "
+                        "halfprec/numerics/formats: MX, NVFP4, fp8_block)")  # fmt: skip
     parser.add_argument("--batches", type=int, default=4, help="validation batches measured (default: %(default)s)")
     parser.add_argument("--keep", type=float, default=0.15, help="the share that may stay high (default: %(default)s)")
     parser.add_argument("--keep-by", choices=["layers", "params"], default="layers", help="a share of what")

@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from halfprec.components.data.batches import TrainBatches
 from halfprec.errors import ConfigError, naming, show_value
+from halfprec.numerics.quantized import Recipe
 from halfprec.training import distributed
 from halfprec.training.build import Components
 from halfprec.training.metrics import LoopState
@@ -47,11 +48,8 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "task.name": "classification",
     # from before the number formats: no layer quantized
     "precision.format": None,
-    "precision.recipe.grad_format": None,
-    "precision.recipe.stochastic_grads": False,
-    "precision.recipe.hadamard": False,
-    "precision.recipe.weight_2d": False,
-    "precision.recipe.scale_rule": "floor",
+    # each recipe switch off, as its dataclass's default says
+    **{f"precision.recipe.{f.name}": f.default for f in fields(Recipe)},
     "precision.rules": [],
     "precision.high_first": 0,
     "precision.high_last": 0,
@@ -184,10 +182,24 @@ def schedule_horizon(config: dict) -> int:
     return config["sched"].get("total_steps") or config["trainer"]["max_steps"]
 
 
+# Keys spelled otherwise by older checkpoints: precision.fp8 (torchao's float8 recipe) became a
+# format on precision.kernel=native.
+OLDER_FP8: dict[str, dict[str, Any]] = {
+    "tensorwise": {"precision.format": "fp8_e4m3", "precision.recipe.grad_format": "fp8_e5m2"},
+    "rowwise": {"precision.format": "fp8_e4m3_row", "precision.recipe.grad_format": None},
+}
+
+
+def respelled(old: dict[str, Any]) -> dict[str, Any]:
+    """An older checkpoint's flattened config in today's keys."""
+    fp8 = old.pop("precision.fp8", None)
+    return {**old, **OLDER_FP8[fp8], "precision.kernel": "native"} if fp8 in OLDER_FP8 else old
+
+
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
     new = _flatten(current)
-    old = {**{k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k in new}, **_flatten(saved)}
+    old = {**{k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k in new}, **respelled(_flatten(saved))}
     if "sched.total_steps" in new and "sched.total_steps" not in old:
         old["sched.total_steps"] = schedule_horizon(saved)
     other = [key for key in IDENTITY if old.get(key) != new.get(key)]

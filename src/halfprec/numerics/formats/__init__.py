@@ -87,6 +87,9 @@ FORMATS = {
         Format("nvfp4", E["e2m1"], 16, "nvfp4", tile=16),  # NVIDIA's: weights 16x16 in its recipe
     )
 }
+# the formats with a scale per block of values (MX, NVFP4, fp8_block): what `halfprec sensitivity`
+# measures by default
+BLOCK_SCALED = tuple(name for name, f in FORMATS.items() if isinstance(f.block, int))
 ROUNDINGS = ("nearest", "stochastic")
 CHUNK = 2**16  # values quantized at a time on a CPU (fake_quantize's temporaries: 256 KB each)
 SCALE_RULES = ("floor", "rceil")

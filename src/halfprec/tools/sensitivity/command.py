@@ -11,7 +11,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from halfprec.tools.sensitivity import BLOCK_FORMATS
 from halfprec.tools.sensitivity.measure import (
     SIGNIFICANT,
     Measured,
@@ -46,9 +45,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def default_formats(run_format: str | None) -> str:
     """--formats when not given: the run's own format first (the suggested rules are for it), then
-    the block formats a precision option trains."""
+    the block-scaled formats of the registry (numerics/formats)."""
+    from halfprec.numerics.formats import BLOCK_SCALED
+
     first = [run_format] if run_format else []
-    return ",".join(dict.fromkeys([*first, *BLOCK_FORMATS]))
+    return ",".join(dict.fromkeys([*first, *BLOCK_SCALED]))
 
 
 def suggestion(fmt: str, args: argparse.Namespace, measured: Measured, candidates: list[Row]) -> list[str]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -36,8 +37,9 @@ from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
 from halfprec.config import resolve_device
 from halfprec.errors import ConfigError
+from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.layers import HIGH, linear_layers, plan_layers, swap_emulated
+from halfprec.numerics.layers import HIGH, linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
@@ -121,8 +123,10 @@ def parse_recipe(text: str, run_recipe: DictConfig) -> Recipe:
             raise SensitivityError(
                 f"--recipe: unknown {', '.join(unknown)}; use run, none, or {', '.join(RECIPE_SWITCHES)}"
             )
-    rule = str(run_recipe.get("scale_rule", "floor"))
-    return Recipe(None, "stochastic_grads" in chosen, "hadamard" in chosen, "weight_2d" in chosen, rule)
+    # the run's E8M0 rule (a run from before it: the off value); the gradients in the measured format itself
+    rule = run_recipe.get("scale_rule", Recipe().scale_rule)
+    switches: dict[str, Any] = {s: s in chosen for s in RECIPE_SWITCHES}
+    return Recipe(scale_rule=rule, **switches)
 
 
 def parse_formats(text: str) -> list[str]:
