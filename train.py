@@ -9,7 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from halfprec.config import validate
+from halfprec.config import objective_of, validate
 from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
 from halfprec.launch.exits import check_not_a_lone_sweep, in_sweep, job_errors, run_cli
@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> float:
             if not in_sweep():
                 raise
             summary = None  # diverged: a result for the sweep (recorded as diverged), the worst for a search
-    return sweep_value(cfg, summary)  # the objective, for a sweeper (hparams_search=optuna)
+    return sweep_value(*objective_of(cfg), summary)  # the objective, for a sweeper (hparams_search=optuna)
 
 
 if __name__ == "__main__":

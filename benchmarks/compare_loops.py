@@ -67,10 +67,11 @@ from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from halfprec.components.models import create_model  # noqa: E402
-from halfprec.config import validate  # noqa: E402
+from halfprec.config import as_config, validate  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
 from halfprec.numerics.params import build_params  # noqa: E402
 from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
+from halfprec.spec import Choice  # noqa: E402
 from halfprec.training.build import Components, build, build_optimizer, build_scheduler  # noqa: E402
 from halfprec.training.perf import math_kind, peak_tflops  # noqa: E402
 
@@ -488,7 +489,7 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
 
 
-def flops_per_image(model_cfg: DictConfig, work: Workload, device: torch.device) -> float:
+def flops_per_image(model_cfg: Choice, work: Workload, device: torch.device) -> float:
     """Forward + backward FLOPs per image (per sequence), counted by torch on a fresh fp32 copy (2 of them)."""
     model = create_model(model_cfg, work.input_shape, work.num_classes).to(device)
     x = inputs(work, 2, device, torch.Generator(device).manual_seed(0))
@@ -550,8 +551,9 @@ def to_channels_last(c: Components, cfg: DictConfig) -> Components:
     copies of the weights (fp32 master weights) so that they share the layout, as build() would."""
     c.model.to(memory_format=torch.channels_last)
     params = build_params(c.model, c.policy)
-    optimizer = build_optimizer(cfg, params, c.model)
-    return dataclasses.replace(c, params=params, optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer))
+    config = as_config(cfg)
+    optimizer = build_optimizer(config, params, c.model)
+    return dataclasses.replace(c, params=params, optimizer=optimizer, scheduler=build_scheduler(config, optimizer))
 
 
 # ---------------------------------------------------------------- one row of the table
@@ -866,7 +868,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = {}
     for key in args.models:
         work = WORKLOADS[key]
-        flops[key] = flops_per_image(compose_cfg(work, "fp32", device, None).model, work, device)
+        flops[key] = flops_per_image(as_config(compose_cfg(work, "fp32", device, None)).model, work, device)
     model_order = {WORKLOADS[key].label: i for i, key in enumerate(args.models)}
     for precision in args.precisions:  # precision-major: see DEFAULT_PRECISIONS
         for key in args.models:

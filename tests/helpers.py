@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from halfprec.config import validate
+from halfprec.config import Config, validate
+from halfprec.config.typed import typed
 from halfprec.training.build import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -25,6 +26,13 @@ TINY = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=0", "mo
 def compose_cfg(*overrides: str):
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", overrides=["logger=none", "trainer.progress=false", *overrides])
+
+
+def typed_cfg(*overrides: str) -> Config:
+    """The config a run reads: composed as compose_cfg does, validated and typed."""
+    cfg = compose_cfg(*overrides)
+    validate(cfg)
+    return typed(cfg)
 
 
 def build_from(*overrides: str) -> tuple[Components, object]:

@@ -17,7 +17,7 @@ import torch
 from conftest import read_jsonl
 
 import wandb_records
-from helpers import TINY, TRAIN, flops_per_step, own_session, torchrun
+from helpers import TINY, TRAIN, flops_per_step, own_session, torchrun, typed_cfg
 
 pytestmark = pytest.mark.distributed
 
@@ -301,13 +301,11 @@ def _evaluate_on_rank(rank: int, store: str, out: str) -> None:
     from halfprec.training.distributed import World
     from halfprec.training.metrics import evaluate
 
-    from helpers import compose_cfg
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     net = _bn_net()
     net[1].running_mean.fill_(3.0 * rank)  # the ranks' BatchNorm statistics differ, as after FSDP training
-    policy = PrecisionPolicy.from_config(compose_cfg().precision, "cpu")
+    policy = PrecisionPolicy.from_config(typed_cfg().precision, "cpu")
     data = make_synthetic(shape=[1, 4, 4], num_train=8, num_val=15)
     metrics = evaluate(net, data, Classification(), policy, 4, torch.device("cpu"), World(rank, 2))
     metrics["running_mean"] = net[1].running_mean.tolist()
@@ -323,13 +321,11 @@ def test_ranks_evaluate_shares_of_the_validation_set_with_rank_0s_batchnorm_stat
     from halfprec.numerics.policy import PrecisionPolicy
     from halfprec.training.metrics import evaluate
 
-    from helpers import compose_cfg
-
     torch.multiprocessing.spawn(_evaluate_on_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     data = make_synthetic(shape=[1, 4, 4], num_train=8, num_val=15)
-    policy = PrecisionPolicy.from_config(compose_cfg().precision, "cpu")
+    policy = PrecisionPolicy.from_config(typed_cfg().precision, "cpu")
     net = _bn_net()
     alone = evaluate(net, data, Classification(), policy, 4, torch.device("cpu"))
     net[1].running_mean.fill_(3.0)

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from halfprec.config import resolve_device, validate
+from halfprec.config.typed import typed
 from halfprec.errors import ConfigError
 from halfprec.training.build import build
 from halfprec.training.run import run
 
-from helpers import compose_cfg
+from helpers import compose_cfg, typed_cfg
 
 EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
 
@@ -52,7 +53,8 @@ def test_fp8_config_errors(overrides, message):
     cfg = compose_cfg(*overrides)
     with pytest.raises(ConfigError) as info:
         validate(cfg)
-        resolve_device(cfg)
+        config = typed(cfg)
+        resolve_device(config.trainer.device, config.precision)
         build(cfg)
     assert message in str(info.value)
 
@@ -82,13 +84,13 @@ def test_a_checkpoint_from_before_the_converters_resumes_as_the_fp8_run_it_was(o
     precision.fp8=<torchao recipe>, with no format and the emulated kernel."""
     from pathlib import Path
 
+    from halfprec.config import saved
     from halfprec.training.checkpoint import check_resume_config
-    from halfprec.training.tracking import saved_config
 
-    new = saved_config(compose_cfg(f"precision={option}"))
+    new = saved(typed_cfg(f"precision={option}"))
     p = {**new["precision"], "fp8": recipe, "format": None, "kernel": "emulated"}
     old = {**new, "precision": {**p, "recipe": {**p["recipe"], "grad_format": None}}}
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
-    emulated = saved_config(compose_cfg(f"precision={option}", "precision.kernel=emulated"))
+    emulated = saved(typed_cfg(f"precision={option}", "precision.kernel=emulated"))
     with pytest.raises(ConfigError, match="was trained with precision.kernel='native'"):  # torchao's layers
         check_resume_config(old, emulated, Path("step-00000004.pt"))

@@ -14,14 +14,14 @@ from test_resume import without_perf
 from halfprec.components.models import create_model
 from halfprec.components.models import gpt as gpt_module
 from halfprec.components.models.gpt import Rotary, create_gpt
+from halfprec.config import saved
 from halfprec.errors import ConfigError
 from halfprec.numerics.quantized import QuantizedLinear
 from halfprec.training.build import build
 from halfprec.training.checkpoint import check_resume_config
 from halfprec.training.run import run
-from halfprec.training.tracking import saved_config
 
-from helpers import compose_cfg
+from helpers import compose_cfg, typed_cfg
 
 # A LLaMA small enough for a test: 2 blocks of width 32 (heads of 16 values), a 32-token context;
 # validation on 1% of the corpus (a few topics): a tenth's 360 micro-batches were most of the time.
@@ -89,9 +89,9 @@ def test_rope_computes_in_fp32_and_returns_the_dtype_it_was_given():
 
 def parameters_at_default_size(*overrides: str) -> int:
     """Built on the meta device: shapes without memory; tied weights counted once."""
-    cfg = compose_cfg("task=lm", *overrides)
+    cfg = typed_cfg("task=lm", *overrides)
     with torch.device("meta"):
-        model = create_model(cfg.model, (cfg.model.block_size,), GPT2_VOCABULARY)
+        model = create_model(cfg.model, (cfg.model.args["block_size"],), GPT2_VOCABULARY)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -176,13 +176,13 @@ def test_a_gpt_checkpoint_from_before_the_variants_resumes_as_the_learned_tied_g
     """Checkpoints from before model.pos, rope_base and tie_embeddings (and data.dtype) were of GPTs
     with learned positions and a tied head: one resumes as that model, not as a rotary one; a model
     without those keys (the MLP) is not held to them; precision.quantizer changes no value."""
-    new = saved_config(compose_cfg("task=lm"))
+    new = saved(typed_cfg("task=lm"))
     added = ("pos", "rope_base", "tie_embeddings")
     old = {**new, "model": {k: v for k, v in new["model"].items() if k not in added}}
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
-    rope = saved_config(compose_cfg("task=lm", "model.pos=rope"))
+    rope = saved(typed_cfg("task=lm", "model.pos=rope"))
     with pytest.raises(ConfigError, match=r"model.pos=rope: .* was trained with model.pos='learned'"):
         check_resume_config(old, rope, Path("step-00000004.pt"))
-    compiled = saved_config(compose_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
-    eager = saved_config(compose_cfg("task=lm", "precision=mxfp8"))
+    compiled = saved(typed_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
+    eager = saved(typed_cfg("task=lm", "precision=mxfp8"))
     assert check_resume_config(eager, compiled, Path("s.pt")) == ["precision.quantizer: 'auto' -> 'compiled' (allowed)"]

@@ -12,7 +12,7 @@ from halfprec.numerics.scaling import TrainingAborted
 from halfprec.training.build import build
 from halfprec.training.run import run
 
-from helpers import compose_cfg
+from helpers import compose_cfg, typed_cfg
 
 
 def wide_net() -> nn.Module:
@@ -22,7 +22,7 @@ def wide_net() -> nn.Module:
 def init_with(*overrides) -> nn.Module:
     torch.manual_seed(0)
     model = wide_net()
-    apply_init(model, compose_cfg(*overrides).init)
+    apply_init(model, typed_cfg(*overrides).init)
     return model
 
 
@@ -52,7 +52,7 @@ def test_xavier_std_matches_glorot(distribution):
 
 
 def fixup_model(blocks_per_stage: int = 4):
-    cfg = compose_cfg("model=fixup_resnet", f"model.blocks_per_stage={blocks_per_stage}", "init=fixup")
+    cfg = typed_cfg("model=fixup_resnet", f"model.blocks_per_stage={blocks_per_stage}", "init=fixup")
     torch.manual_seed(0)
     model = create_model(cfg.model, (1, 8, 8), 10)
     apply_init(model, cfg.init)
@@ -111,7 +111,7 @@ def test_fixup_refuses_a_model_without_residual_branches():
 
 
 def test_kaiming_zero_init_last_zeroes_branches():
-    cfg = compose_cfg("model=fixup_resnet", "init=kaiming", "init.zero_init_last=true")
+    cfg = typed_cfg("model=fixup_resnet", "init=kaiming", "init.zero_init_last=true")
     model = create_model(cfg.model, (1, 8, 8), 10)
     apply_init(model, cfg.init)
     assert all(b.scale.item() == 0.0 for b in model.residual_blocks())

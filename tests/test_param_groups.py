@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from halfprec.config import validate
+from halfprec.config import saved, validate
 from halfprec.errors import ConfigError
 from halfprec.training.build import build
 from halfprec.training.checkpoint import check_resume_config
-from halfprec.training.tracking import saved_config
 
-from helpers import compose_cfg
+from helpers import compose_cfg, typed_cfg
 
 GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32"]
 NORMS = ["blocks.0.norm1.weight", "blocks.0.norm2.weight", "blocks.1.norm1.weight", "blocks.1.norm2.weight",
@@ -75,10 +74,10 @@ def test_bad_no_decay_entries_are_one_line(overrides, message):
 def test_a_checkpoint_from_before_the_groups_resumes_only_where_nothing_changes():
     """Older checkpoints decayed every tensor: resuming one that used weight decay with no_decay's
     default would change the update (and the optimizer's groups), so it is an error naming the key."""
-    new = saved_config(compose_cfg(*GPT))
+    new = saved(typed_cfg(*GPT))
     old = {**new, "optim": {k: v for k, v in new["optim"].items() if k != "no_decay"}}
     with pytest.raises(ConfigError, match=r"optim.no_decay=\['low_dim'\]: .* was trained with optim.no_decay=\[\]"):
         check_resume_config(old, new, Path("step-00000004.pt"))
-    sgd = saved_config(compose_cfg())  # weight decay 0: one group either way
+    sgd = saved(typed_cfg())  # weight decay 0: one group either way
     old_sgd = {**sgd, "optim": {k: v for k, v in sgd["optim"].items() if k != "no_decay"}}
     assert check_resume_config(old_sgd, sgd, Path("step-00000004.pt")) == []

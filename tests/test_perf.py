@@ -13,7 +13,7 @@ from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training.perf import math_kind, peak_tflops
 from halfprec.training.run import run
 
-from helpers import compose_cfg, flops_per_step
+from helpers import compose_cfg, flops_per_step, typed_cfg
 
 B, ACCUM = 16, 2
 LAYERS = [(64, 32), (32, 16), (16, 10)]  # digits (1x8x8, flattened) through model.hidden=[32,16]
@@ -74,7 +74,7 @@ def test_count_flops_false_logs_neither_and_a_non_bool_is_rejected(tmp_path):
      ("fp16_pure", "half"), ("bf16_pure_master", "half"), ("fp8", "half")],
 )  # fmt: skip
 def test_each_mode_is_measured_against_the_peak_its_matmuls_run_at(precision, kind):
-    policy = PrecisionPolicy.from_config(compose_cfg(f"precision={precision}").precision, "cuda")
+    policy = PrecisionPolicy.from_config(typed_cfg(f"precision={precision}").precision, "cuda")
     assert math_kind(policy) == kind
 
 

@@ -14,13 +14,13 @@ from halfprec.numerics.rounding import stochastic_round_to_bf16
 from halfprec.numerics.scaling import DynamicLossScaler, LossScaler
 from halfprec.training.step import Stepper
 
-from helpers import batch, compose_cfg
+from helpers import batch, typed_cfg
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
 
 def policy(name: str, **overrides) -> PrecisionPolicy:
-    cfg = compose_cfg(f"precision={name}", *(f"precision.{k}={v}" for k, v in overrides.items()))
+    cfg = typed_cfg(f"precision={name}", *(f"precision.{k}={v}" for k, v in overrides.items()))
     return PrecisionPolicy.from_config(cfg.precision, "cpu")
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from halfprec.config import validate
+from halfprec.config import resolve_device, validate
+from halfprec.config.typed import typed
 from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
 from halfprec.numerics.converters.emulated import swap_emulated
@@ -400,14 +401,14 @@ def test_the_native_kernel_is_torchaos_float8_computing_the_same_format(tmp_path
     ],
 )
 def test_native_kernel_config_errors(overrides, message):
-    from halfprec.config import resolve_device
 
     if overrides == NATIVE and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
         pytest.skip("this GPU has fp8 tensor cores")
     cfg = compose_cfg(*overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
-        resolve_device(cfg)
+        config = typed(cfg)
+        resolve_device(config.trainer.device, config.precision)
 
 
 @pytest.mark.slow

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.formats import BLOCK_SCALED
 from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.numerics.quantized import Recipe
 from halfprec.tools.sensitivity.measure import (
     WHOLE,
     Agreement,
@@ -32,7 +32,7 @@ from halfprec.tools.sensitivity.measure import (
 )
 from halfprec.tools.sensitivity.rules import keep_high, ranked, rules_override
 
-from helpers import TRAIN, compose_cfg
+from helpers import TRAIN, compose_cfg, typed_cfg
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -79,10 +79,11 @@ class Batches:
 
 
 def toy_run(model: nn.Module, batches: list) -> Run:
-    cfg = OmegaConf.create({"data": {"batch_size": 8}, "seed": 0})
-    policy = PrecisionPolicy.from_config(compose_cfg("precision=fp32").precision, "cpu")
+    saved = {"data": {"batch_size": 8}, "seed": 0}
+    precision = typed_cfg("precision=fp32").precision
+    policy = PrecisionPolicy.from_config(precision, "cpu")
     data = Batches(batches)
-    return Run(cfg, Path("toy.pt"), 0, model.eval(), data, Classification(), policy, torch.device("cpu"))  # type: ignore[arg-type]
+    return Run(saved, precision, Path("toy.pt"), 0, model.eval(), data, Classification(), policy, torch.device("cpu"))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def toy():
     # labels the model predicts: a "trained" model, which a perturbation makes worse
     batches = [(x, model(x).argmax(1).detach()) for x in inputs]
     run = toy_run(model, batches)
-    return run, measure(run, ["mxfp4", "mxfp8"], 2, parse_recipe("none", OmegaConf.create({})), seed=0)
+    return run, measure(run, ["mxfp4", "mxfp8"], 2, parse_recipe("none", Recipe()), seed=0)
 
 
 def row(measured, layer, fmt):
@@ -127,7 +128,7 @@ def test_a_layer_the_format_represents_exactly_has_no_damage_and_one_that_overfl
 def test_measuring_leaves_the_model_as_it_was_and_repeats_exactly(toy):
     run, measured = toy
     assert [type(m) for m in run.model.children()] == [nn.Linear] * 4
-    again = measure(run, ["mxfp4", "mxfp8"], 2, parse_recipe("none", OmegaConf.create({})), seed=0)
+    again = measure(run, ["mxfp4", "mxfp8"], 2, parse_recipe("none", Recipe()), seed=0)
     assert [(r.diffs, r.weight_grad) for r in again.rows] == [(r.diffs, r.weight_grad) for r in measured.rows]
 
 
@@ -174,15 +175,15 @@ def test_bad_arguments_and_a_model_without_linear_layers_are_one_line_errors():
     with pytest.raises(SensitivityError, match=r"--formats: unknown mxfp5; known: fp8_e4m3, "):
         parse_formats("mxfp4,mxfp5")
     with pytest.raises(SensitivityError, match=r"--recipe: unknown sr; use run, none, or stochastic_grads"):
-        parse_recipe("sr", OmegaConf.create({}))
-    run_recipe = OmegaConf.create({"stochastic_grads": True, "hadamard": False, "weight_2d": True})
+        parse_recipe("sr", Recipe())
+    run_recipe = Recipe(stochastic_grads=True, weight_2d=True)
     assert parse_recipe("run", run_recipe).weight_2d and parse_recipe("run", run_recipe).stochastic_grads
     run = toy_run(nn.Sequential(nn.Flatten()), [(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))])
     with pytest.raises(SensitivityError, match="Sequential has no Linear layer"):
-        measure(run, ["mxfp4"], 1, parse_recipe("none", OmegaConf.create({})), seed=0)
+        measure(run, ["mxfp4"], 1, parse_recipe("none", Recipe()), seed=0)
     run = toy_run(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)), [(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))])
     with pytest.raises(SensitivityError, match="Sequential's only Linear layer, 1, is its output head, which a plan"):
-        measure(run, ["mxfp4"], 1, parse_recipe("none", OmegaConf.create({})), seed=0)
+        measure(run, ["mxfp4"], 1, parse_recipe("none", Recipe()), seed=0)
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def test_the_search_optimizes_the_objective_the_way_it_wants(tmp_path):
     objective=null is the task's own (val/acc for classification, val/loss for task=lm)."""
     from hydra import compose, initialize_config_dir
 
-    from halfprec.launch.objective import objective_metric
+    from halfprec.launch.objective import task_metric
     from halfprec.launch.resolvers import register_resolvers
 
     register_resolvers()
@@ -118,7 +118,8 @@ def test_the_search_optimizes_the_objective_the_way_it_wants(tmp_path):
             (["task=lm", "objective=val/bpb"], "val/bpb", "minimize"),
         ]:
             cfg = compose("train", overrides=["hparams_search=optuna", *overrides], return_hydra_config=True)
-            assert (objective_metric(cfg).name, cfg.hydra.sweeper.direction) == (objective, direction), overrides
+            metric = task_metric(cfg.task.name, cfg.objective)
+            assert (metric.name, cfg.hydra.sweeper.direction) == (objective, direction), overrides
 
 
 def test_loss_scaling_experiment_reproduces_underflow_stall(started):

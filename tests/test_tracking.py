@@ -19,7 +19,7 @@ from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.training.run import run
 
 import wandb_records
-from helpers import CONF, TRAIN, compose_cfg
+from helpers import CONF, TRAIN, compose_cfg, typed_cfg
 
 
 def gate_wandb_init(monkeypatch, until: Callable[[], bool], wait_s: float = 20.0) -> list[bool]:
@@ -159,7 +159,7 @@ def test_a_sweep_agents_run_id_is_recorded_and_left_to_wandb(tmp_path, monkeypat
     release = threading.Event()
     calls, runs = stub_wandb_init(monkeypatch, release)
     start = time.monotonic()
-    tracker = tracking.build_tracker(compose_cfg("logger=wandb"), tmp_path)
+    tracker = tracking.build_tracker(typed_cfg("logger=wandb"), tmp_path)
     assert time.monotonic() - start < 10  # wandb.init waits for `release`, build_tracker does not
     assert tracker.state() == {"wandb": {"id": "agentrun1"}}  # what a checkpoint records before the run is up
     tracker.log({"step": 1, "train/loss": 2.0})
@@ -173,7 +173,7 @@ def test_a_second_ctrl_c_does_not_wait_for_wandb_and_the_late_run_is_closed(tmp_
     release = threading.Event()
     _, runs = stub_wandb_init(monkeypatch, release)
     start = time.monotonic()
-    tracker = tracking.build_tracker(compose_cfg("logger=wandb"), tmp_path)
+    tracker = tracking.build_tracker(typed_cfg("logger=wandb"), tmp_path)
     tracker.log({"step": 1, "train/loss": 2.0})
     tracker.finish({"status": "interrupted", "exit_code": 130})
     assert time.monotonic() - start < 10  # a 2 s grace, not W&B's timeout

@@ -37,6 +37,16 @@ class Spec:
     nonempty: bool = False  # a list with at least one element, a string with at least one character
 
 
+@dataclass
+class Choice:
+    """A registered component chosen by name (model.arch, data.name, init.scheme, task.name) with
+    its factory's keyword arguments, the group's other keys, as the config has them once
+    config/validate.py has checked them against the factory's annotations."""
+
+    name: str
+    args: dict[str, Any]
+
+
 def check_node(
     node: DictConfig,
     schema: type | Callable,

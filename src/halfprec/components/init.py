@@ -10,7 +10,7 @@ from torch import nn
 
 from halfprec.errors import InitError
 from halfprec.numerics.policy import COMPUTE_TYPES, NORM_TYPES
-from halfprec.spec import Spec
+from halfprec.spec import Choice, Spec
 
 Mode = Literal["fan_in", "fan_out"]
 Distribution = Literal["normal", "uniform"]
@@ -104,8 +104,9 @@ def init_default(model: nn.Module) -> None:
 INIT_SCHEMES = {"default": init_default, "kaiming": init_kaiming, "xavier": init_xavier, "fixup": init_fixup}
 
 
-def apply_init(model: nn.Module, cfg) -> None:
-    """Apply `cfg.scheme` with the rest of `cfg` as arguments (`scalar_lr_scale` is the optimizer's)."""
-    kwargs = {k: v for k, v in cfg.items() if k not in ("scheme", "scalar_lr_scale")}
+def apply_init(model: nn.Module, init: Choice) -> None:
+    """Apply the scheme `init.scheme` names with the other `init.*` keys as arguments
+    (`scalar_lr_scale` is the optimizer's)."""
+    kwargs = {k: v for k, v in init.args.items() if k != "scalar_lr_scale"}
     with torch.no_grad():
-        INIT_SCHEMES[cfg.scheme](model, **kwargs)
+        INIT_SCHEMES[init.name](model, **kwargs)

@@ -1,6 +1,17 @@
 """The composed config: schemas (schema.py), the rules that span keys (rules.py), validation."""
 
 from halfprec.config.rules import config_warnings, resolve_device
+from halfprec.config.schema import Config
+from halfprec.config.typed import as_config, objective_of, saved
 from halfprec.config.validate import validate, validate_optimizer
 
-__all__ = ["config_warnings", "resolve_device", "validate", "validate_optimizer"]
+__all__ = [
+    "Config",
+    "as_config",
+    "config_warnings",
+    "objective_of",
+    "resolve_device",
+    "saved",
+    "validate",
+    "validate_optimizer",
+]

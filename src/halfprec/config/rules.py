@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from halfprec.config.schema import Config, Precision
 from halfprec.errors import ConfigError
 from halfprec.machine import cpu_flags, launcher, native_bf16
 
@@ -115,7 +116,7 @@ def check_scaler(s: DictConfig) -> None:
         )
 
 
-def config_warnings(cfg: DictConfig, device_type: str = "cpu") -> list[str]:
+def config_warnings(cfg: Config, device_type: str = "cpu") -> list[str]:
     """Settings that work but rarely do what was meant, or much slower than a user would guess: one
     line each, printed as the run starts."""
     found = [slow] if (slow := slow_on_cpu(cfg.precision)) and device_type == "cpu" else []
@@ -130,7 +131,7 @@ def config_warnings(cfg: DictConfig, device_type: str = "cpu") -> list[str]:
     return found
 
 
-def slow_on_cpu(p: DictConfig) -> str | None:
+def slow_on_cpu(p: Precision) -> str | None:
     """The precision modes a CPU computes exactly but far slower than fp32 (measured on a 2-core Xeon
     with AMX, torch 2.14: a 3x3 conv's forward and backward on 32x64x16x16 in fp16 autocast took 155x
     fp32's time; task=lm's step in bf16 13x fp32's with torch and oneDNN limited to AVX2)."""
@@ -229,15 +230,14 @@ def check_launch(mode: str) -> None:
         )
 
 
-def resolve_device(cfg: DictConfig):
-    """The torch.device to train on, after checking that the precision mode works there."""
+def resolve_device(want: str, p: Precision):
+    """The torch.device to train on (`want`: trainer.device), after checking that the precision mode
+    works there."""
     import torch
 
-    want = cfg.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device", want, "no CUDA GPU is visible here; use trainer.device=auto or cpu")
     device = torch.device("cuda" if want == "auto" and torch.cuda.is_available() else want.replace("auto", "cpu"))
-    p = cfg.precision
     if p.tf32 and device.type != "cuda":
         raise ConfigError(
             "precision", p.name, "TF32 is a CUDA (Ampere+) matmul mode; on CPU it would silently be fp32: use fp32"

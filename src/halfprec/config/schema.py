@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from halfprec.spec import Spec
+from halfprec.spec import Choice, Spec
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
@@ -157,3 +157,29 @@ class Optim:
     ]
     state_dtype: Annotated[Literal["float32", "bfloat16"], Spec(doc="the dtype optimizer state is stored in")]
     state_rounding: Annotated[Literal["nearest", "stochastic"], Spec(doc="how state is rounded to state_dtype")]
+    args: dict[str, Any]  # the optimizer's own arguments: optim's other keys (lr aside)
+
+
+@dataclass
+class Data(Choice):
+    batch_size: int  # the micro-batch (config/validate.py checks it, with the loader's arguments)
+
+
+@dataclass
+class Config(Top):
+    """The run's config as the code reads it (config/typed.py builds it once validate() has passed):
+    the fixed groups as their dataclasses, the components as their choice and arguments, and each
+    logger's keys (config/typed.py's `saved` gives it back as composed, for W&B, checkpoints and the
+    resume check). Nothing outside config/ reads the composed DictConfig."""
+
+    task: Choice
+    precision: Precision  # with recipe a numerics/quantized.Recipe and rules QuantRules
+    scaler: NoScaler  # StaticScaler or DynamicScaler as scaler.kind says
+    init: Choice
+    model: Choice
+    data: Data
+    optim: Optim
+    sched: ConstantSchedule  # or CosineSchedule
+    logger: dict[str, dict[str, Any]]  # each chosen logger's keys (halfprec/loggers)
+    trainer: Trainer
+    diagnostics: Diagnostics

@@ -22,8 +22,8 @@ from halfprec.spec import Spec, check_node, check_value, known_keys
 # `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
 OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
-# optim.* keys of halfprec's own beside the optimizer's arguments (numerics/optimizers.py, HALFPREC_KEYS)
-HALFPREC_OPTIM_KEYS = ("no_decay", "state_dtype", "state_rounding")
+# the keys every optim config has (schema.Optim's), beside the optimizer's own arguments
+OPTIM_KEYS = tuple(f.name for f in fields(schema.Optim) if f.name != "args")
 BATCH_SIZE = Annotated[int, Spec(low=1, doc="the micro-batch size; effective batch = batch_size * accum")]
 SCALAR_LR_SCALE = Annotated[float | None, Spec(above=0, doc="lr multiplier of Fixup's scalar biases")]
 
@@ -39,7 +39,7 @@ def validate(cfg: DictConfig) -> None:
     check_node(cfg.trainer, schema.Trainer, "trainer", "trainer")
     check_node(cfg.diagnostics, schema.Diagnostics, "diagnostics", "diagnostics")
     optim = get_type_hints(schema.Optim, include_extras=True)
-    for key in ("_target_", "lr", "clip_grad_norm", *HALFPREC_OPTIM_KEYS):  # the optimizer's own: validate_optimizer
+    for key in OPTIM_KEYS:  # the optimizer's own: validate_optimizer
         check_value(f"optim.{key}", cfg.optim.get(key), optim[key])
     rules.check_precision(cfg.precision, cfg.trainer.distributed)
     rules.check_scaler(cfg.scaler)
@@ -156,7 +156,7 @@ def validate_optimizer(cfg: DictConfig) -> None:
             "rely on its param_groups and state_dict",
         )
     signature = inspect.signature(cls).parameters
-    allowed = ["_target_", "clip_grad_norm", *HALFPREC_OPTIM_KEYS, *(p for p in signature if p != "params")]
+    allowed = [*OPTIM_KEYS, *(p for p in signature if p not in ("params", "lr"))]
     known_keys(cfg.optim, "optim", allowed, cls.__name__)
     for key, value in cfg.optim.items():
         if key in signature:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from omegaconf import DictConfig
-
 
 def task_metric(task: str, objective: str | None) -> Any:
     """The Metric of task `task` that `objective` names (null: the task's own default, val/acc for
@@ -20,11 +18,6 @@ def task_metric(task: str, objective: str | None) -> Any:
     return TASKS[task].metric(objective or TASKS[task].objective) if task in TASKS else None
 
 
-def objective_metric(cfg: DictConfig) -> Any:
-    """The run's objective Metric (config/rules.py has checked that its task reports it)."""
-    return task_metric(cfg.task.name, cfg.objective)
-
-
 def direction(objective: str | None, task: str) -> str:
     """`maximize` or `minimize`: the resolver `${halfprec.direction:${objective},${task.name}}`
     that conf/hparams_search/optuna.yaml gives the sweeper, so val/loss is minimized, val/acc maximized."""
@@ -32,13 +25,14 @@ def direction(objective: str | None, task: str) -> str:
     return "maximize" if metric is not None and metric.higher_is_better else "minimize"
 
 
-def sweep_value(cfg: DictConfig, summary: dict | None) -> float:
-    """The run's objective; for a run that diverged (summary None), the worst value for the way the
-    sweeper optimizes: -inf when it maximizes, +inf when it minimizes."""
-    metric = objective_metric(cfg)
+def sweep_value(task: str, objective: str | None, summary: dict | None) -> float:
+    """The run's objective (`objective` of `task`: config/rules.py has checked that the task reports
+    it); for a run that diverged (summary None), the worst value for the way the sweeper optimizes:
+    -inf when it maximizes, +inf when it minimizes."""
+    metric = task_metric(task, objective)
     if summary is not None:
         return summary.get(metric.name, math.nan)  # val/bpb of a token file whose bytes per token are unknown
     from hydra.core.hydra_config import HydraConfig
 
-    optimizes = HydraConfig.get().sweeper.get("direction") or direction(metric.name, cfg.task.name)
+    optimizes = HydraConfig.get().sweeper.get("direction") or direction(metric.name, task)
     return -math.inf if optimizes == "maximize" else math.inf

@@ -129,16 +129,15 @@ class SGD(LowPrecisionState):
 
 # The torch optimizers optim.state_dtype can replace, and the class that keeps their state low
 LOW_PRECISION_STATE: dict[str, type[LowPrecisionState]] = {"torch.optim.AdamW": AdamW, "torch.optim.SGD": SGD}
-HALFPREC_KEYS = ("clip_grad_norm", "no_decay", "state_dtype", "state_rounding")  # optim.* keys no optimizer takes
 
 
-def optimizer_arguments(optim: dict) -> dict:
-    """What hydra instantiates: optim's keys but halfprec's own, and where `state_dtype` is not
-    float32, `_target_` swapped for the class of LOW_PRECISION_STATE that keeps the state low. A
-    torch-only argument set to anything but its off value (optim.fused=true) is a config error
-    then: the step is no longer torch's."""
-    kwargs = {k: v for k, v in optim.items() if k not in HALFPREC_KEYS}
-    dtype, target = optim.get("state_dtype", "float32"), kwargs["_target_"]
+def optimizer_arguments(kwargs: dict, dtype: str, rounding: str) -> dict:
+    """What hydra instantiates: the optimizer's `_target_` and arguments (`kwargs`), and where the
+    state `dtype` (optim.state_dtype) is not float32, `_target_` swapped for the class of
+    LOW_PRECISION_STATE that keeps the state low, rounded as `rounding` says. A torch-only argument
+    set to anything but its off value (optim.fused=true) is a config error then: the step is no
+    longer torch's."""
+    target = kwargs["_target_"]
     if dtype == "float32":
         return kwargs
     cls = LOW_PRECISION_STATE.get(target)
@@ -155,7 +154,6 @@ def optimizer_arguments(optim: dict) -> dict:
                 f"which has no {key}: leave it null",
             )  # fmt: skip
     kept = {k: v for k, v in kwargs.items() if k in accepted}
-    rounding = optim.get("state_rounding", "nearest")
     return {
         **kept,
         "_target_": f"{cls.__module__}.{cls.__qualname__}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,28 +53,30 @@ class PrecisionPolicy:
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
 
     @classmethod
-    def from_config(cls, cfg, device_type: str, steps: int | None = None) -> PrecisionPolicy:
-        """`steps`: the run's length, for precision.quantizer=auto (quantizer_for)."""
+    def from_config(cls, p: Any, device_type: str, steps: int | None = None) -> PrecisionPolicy:
+        """The policy of `p`, config/schema.py's typed Precision (precision.*), on `device_type`; the
+        torch dtypes, the master weights and update rule as resolved, the quantizer as chosen for a
+        run of `steps` (precision.quantizer=auto: quantizer_for)."""
         return cls(
-            name=cfg.name,
-            autocast_dtype=DTYPES[cfg.autocast] if cfg.autocast else None,
-            param_dtype=DTYPES[cfg.param_dtype],
+            name=p.name,
+            autocast_dtype=DTYPES[p.autocast] if p.autocast else None,
+            param_dtype=DTYPES[p.param_dtype],
             # precision.master=fp32 is master_weights=true; remainder is the rounding rule that keeps
             # the 16 bits bf16 drops (numerics/rounding.py), so that the update is exact
-            master_weights=cfg.get("master") == "fp32" or (cfg.get("master") is None and bool(cfg.master_weights)),
-            update="remainder" if cfg.get("master") == "remainder" else cfg["update"],  # not cfg.update: a method
-            keep_norm_fp32=bool(cfg.keep_norm_fp32),
-            tf32=bool(cfg.tf32),
+            master_weights=p.master == "fp32" or (p.master is None and p.master_weights),
+            update="remainder" if p.master == "remainder" else p.update,
+            keep_norm_fp32=p.keep_norm_fp32,
+            tf32=p.tf32,
             device_type=device_type,
-            reduce_dtype=DTYPES[cfg.reduce_dtype],
-            fp8_emulate=bool(cfg.fp8_emulate),
-            format=cfg.format,
-            recipe=Recipe(**cfg.recipe),
-            rules=tuple(Rule(r.match, r.format) for r in cfg.rules),
-            high_first=cfg.high_first,
-            high_last=cfg.high_last,
-            kernel=cfg.kernel,
-            quantizer=quantizer_for(cfg.get("quantizer", "auto"), device_type, steps),
+            reduce_dtype=DTYPES[p.reduce_dtype],
+            fp8_emulate=p.fp8_emulate,
+            format=p.format,
+            recipe=p.recipe,
+            rules=tuple(Rule(r.match, r.format) for r in p.rules),
+            high_first=p.high_first,
+            high_last=p.high_last,
+            kernel=p.kernel,
+            quantizer=quantizer_for(p.quantizer, device_type, steps),
         )
 
     @property

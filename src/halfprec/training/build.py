@@ -1,4 +1,4 @@
-"""build(cfg): every component of a run, from the config (docs/design.md, "Layers")."""
+"""build(config): every component of a run, from the typed config (docs/design.md, "Layers")."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from typing import cast
 import numpy as np
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from halfprec.components.data import Dataset, build_dataset
 from halfprec.components.init import apply_init
 from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
-from halfprec.config import resolve_device
+from halfprec.config import Config, as_config, resolve_device
+from halfprec.config.schema import CosineSchedule, Optim
 from halfprec.errors import ConfigError, show_value
 from halfprec.numerics.optimizers import optimizer_arguments
 from halfprec.numerics.param_groups import param_groups, without_decay
@@ -38,18 +39,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, params: ParamStrategy, model: nn.Module) -> torch.optim.Optimizer:
     """`optim._target_` (or, with optim.state_dtype=bfloat16, halfprec's class that keeps its state
     low: numerics/optimizers.py) over param groups (numerics/param_groups.py): no weight decay for
     what `optim.no_decay` names; with Fixup, biases and scales at lr * init.scalar_lr_scale, chosen
     by name as in the authors' code (the classifier bias too)."""
-    kwargs = optimizer_arguments(OmegaConf.to_container(cfg.optim, resolve=True))  # type: ignore[arg-type]
+    o = cfg.optim
+    kwargs = optimizer_arguments({"_target_": o._target_, "lr": o.lr, **o.args}, o.state_dtype, o.state_rounding)
     named = params.named()
-    lr_scale = cfg.init.get("scalar_lr_scale")
+    lr_scale = cfg.init.args.get("scalar_lr_scale")  # init=fixup's key alone (config/validate.py)
     last = {n: n.rsplit(".", 1)[-1] for n, _ in named}
     slow = frozenset(n for n in last if lr_scale and ("bias" in last[n] or "scale" in last[n]))
     exempt = without_decay(named, model, list(cfg.optim.no_decay), params.model_params)
-    groups = param_groups(named, exempt, cfg.optim.get("weight_decay", 0.0), slow, cfg.optim.lr * (lr_scale or 1))
+    # an optimizer without a weight_decay argument decays nothing
+    groups = param_groups(named, exempt, o.args.get("weight_decay", 0.0), slow, o.lr * (lr_scale or 1))
     try:
         optimizer = instantiate(kwargs, groups, _convert_="all")
     except Exception as err:  # torch's own argument checks ("Invalid weight_decay value: -1")
@@ -59,11 +62,11 @@ def build_optimizer(cfg: DictConfig, params: ParamStrategy, model: nn.Module) ->
     return optimizer
 
 
-def optimizer_line(optim: DictConfig) -> str:
+def optimizer_line(optim: Optim) -> str:
     """The optimizer and the values it runs with, for the start of a run: a task's values reach only
     the optimizers conf/task_optim/ has a file for (task=lm optim=sgd runs on SGD's own), so they are
     worth seeing."""
-    shown = {str(k): v for k, v in optim.items() if k not in ("_target_", "no_decay", "state_dtype", "state_rounding")}
+    shown = {"lr": optim.lr, "clip_grad_norm": optim.clip_grad_norm, **optim.args}
     if optim.state_dtype != "float32":
         shown |= {"state_dtype": optim.state_dtype, "state_rounding": optim.state_rounding}
     values = " ".join(f"{k}={show_value(v)}" for k, v in shown.items() if v is not None)
@@ -95,17 +98,18 @@ def lr_factor(step: int, name: str, warmup: int, total: int, low: float) -> floa
     return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def schedule_args(cfg: DictConfig) -> tuple[str, int, int, float]:
+def schedule_args(cfg: Config) -> tuple[str, int, int, float]:
     """lr_factor's arguments from the config (sched.total_steps: null is trainer.max_steps; run()
-    fills it in, from the checkpoint on resume)."""
+    fills it in, from the checkpoint on resume). A constant schedule has no horizon or end value."""
     sched = cfg.sched
-    total = sched.get("total_steps") or cfg.trainer.max_steps
-    return sched.name, sched.warmup_steps, total, sched.get("min_lr_ratio", 0.0)
+    if not isinstance(sched, CosineSchedule):
+        return sched.name, sched.warmup_steps, cfg.trainer.max_steps, 1.0
+    return sched.name, sched.warmup_steps, sched.total_steps or cfg.trainer.max_steps, sched.min_lr_ratio
 
 
-def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    # Plain values, read once: LambdaLR calls `factor` every step, and each DictConfig lookup costs
-    # ~10 us (measured: the lookups were a tenth of a 1 ms MLP step).
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    # Plain values, read once: LambdaLR calls `factor` every step (a DictConfig lookup cost ~10 us,
+    # a tenth of a 1 ms MLP step, when the config was read as composed).
     args = schedule_args(cfg)
 
     def factor(step: int) -> float:
@@ -132,11 +136,12 @@ class Components:
     compiled: nn.Module | None = None  # torch.compile(stepper.net) when trainer.compile=true
 
 
-def build(cfg: DictConfig, world: World | None = None) -> Components:
+def build(cfg: Config | DictConfig, world: World | None = None) -> Components:
     """Seed, and build model, precision policy, optimizer, schedule and scaler from a validated config
     (run() validates first; a notebook or a test calls halfprec.config.validate(cfg) itself)."""
+    cfg = as_config(cfg)
     world = world or World()
-    device = resolve_device(cfg)
+    device = resolve_device(cfg.trainer.device, cfg.precision)
     if device.type == "cuda" and world.enabled:
         device = torch.device("cuda", torch.cuda.current_device())  # the GPU distributed.init chose
     seed_everything(cfg.seed, cfg.trainer.deterministic)

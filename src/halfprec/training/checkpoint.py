@@ -21,15 +21,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 
 from halfprec.components.data.batches import TrainBatches
+from halfprec.config import Config, saved
 from halfprec.errors import ConfigError, naming, show_value
 from halfprec.numerics.quantized import Recipe
 from halfprec.training import distributed
 from halfprec.training.build import Components
 from halfprec.training.metrics import LoopState
-from halfprec.training.tracking import saved_config
 
 CKPT_RE = re.compile(r"^step-(\d+)\.pt$")
 
@@ -55,6 +54,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "precision.high_last": 0,
     "precision.master": None,
     "precision.kernel": "emulated",
+    "precision.quantizer": "eager",  # from before compiled quantizers
     "optim.no_decay": [],  # from before param groups: every tensor decayed
     "optim.state_dtype": "float32",
     "optim.state_rounding": "nearest",
@@ -196,6 +196,22 @@ def respelled(old: dict[str, Any]) -> dict[str, Any]:
     return {**old, **OLDER_FP8[fp8], "precision.kernel": "native"} if fp8 in OLDER_FP8 else old
 
 
+def saved_precision(saved: dict) -> dict:
+    """A checkpoint's precision.* in today's keys, each key added since it was saved set to the value
+    its run behaved as (IMPLIED_BY_OLDER_CHECKPOINTS): what a tool rebuilding its run reads."""
+    implied = {k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k.startswith("precision.")}
+    flat = {**implied, **respelled(_flatten(saved))}
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("precision."):
+            *parents, leaf = key.removeprefix("precision.").split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+    return tree
+
+
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
     new = _flatten(current)
@@ -224,7 +240,7 @@ def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
 
 
 def checkpoint_state(
-    cfg: DictConfig,
+    cfg: Config,
     c: Components,
     batches: TrainBatches,
     loop: LoopState,
@@ -244,7 +260,7 @@ def checkpoint_state(
         "data": batches.state_dict(),
         "loop": asdict(loop),
         "rank_loss_sums": rank_loss_sums,  # each rank's loss sum since the last row (LoopState's is rank 0's)
-        "config": saved_config(cfg),
+        "config": saved(cfg),
         "loggers": tracker.state(),  # each logger's own (W&B's run id, MLflow's): a resume continues them
         "world_size": c.world.size,
     }
@@ -287,7 +303,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: Config,
         c: Components,
         batches: TrainBatches,
         loop: LoopState,

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from halfprec.components.data.batches import TrainBatches
+from halfprec.config import Config
 from halfprec.numerics.scaling import TrainingAborted
 from halfprec.training.build import Components
 from halfprec.training.checkpoint import Checkpointer
@@ -20,7 +19,7 @@ from halfprec.training.tracking import Tracker
 
 
 def train_loop(
-    cfg: DictConfig, c: Components, batches: TrainBatches, tracker: Tracker, loop: LoopState, ckpt_dir: Path
+    cfg: Config, c: Components, batches: TrainBatches, tracker: Tracker, loop: LoopState, ckpt_dir: Path
 ) -> None:
     """Train from the step after `loop.step` to trainer.max_steps."""
     t = cfg.trainer
@@ -30,7 +29,7 @@ def train_loop(
     saver = Checkpointer(cfg, c, batches, loop, tracker, ckpt_dir, hold=stop.holding)
     abort_on_nonfinite = t.nonfinite == "abort" and c.scaler.kind == "none"
     c.model.train()
-    objective = cfg.objective if str(cfg.objective).startswith("val/") else c.task.objective
+    objective = cfg.objective if cfg.objective is not None and cfg.objective.startswith("val/") else c.task.objective
     with Progress(t.max_steps, enabled=t.progress and c.world.is_main, shown=objective) as progress, stop:
         for step in range(loop.step + 1, t.max_steps + 1):
             loop.step = step

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from halfprec.components.data import Dataset
 from halfprec.components.data.batches import num_samples
 from halfprec.components.tasks import Task
+from halfprec.config import Config
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training import distributed
 from halfprec.training.build import Components
@@ -37,7 +37,7 @@ class MetricsWindow:
     """train/*, scaler/* and perf/* over the steps since the last row, at step 1, every
     trainer.log_every steps and at the last step."""
 
-    def __init__(self, cfg: DictConfig, c: Components, loop: LoopState):
+    def __init__(self, cfg: Config, c: Components, loop: LoopState):
         self.c, self.loop = c, loop
         self.log_every, self.max_steps = cfg.trainer.log_every, cfg.trainer.max_steps
         self.per_step = cfg.data.batch_size * cfg.accum * c.world.size  # the effective batch
@@ -93,7 +93,7 @@ class MetricsWindow:
 class Validator:
     """The task's validation metrics every trainer.val_every steps (0: only at the end) and at the last."""
 
-    def __init__(self, cfg: DictConfig, c: Components):
+    def __init__(self, cfg: Config, c: Components):
         self.c, self.every, self.max_steps, self.batch_size = (
             c,
             cfg.trainer.val_every,

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
+from halfprec.config import Config
 from halfprec.numerics.params import ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES, observe_compute_dtypes
 from halfprec.training.build import Components
@@ -36,7 +36,7 @@ class Probe:
 
 
 class StepProbes:
-    def __init__(self, cfg: DictConfig, c: Components, first: int):
+    def __init__(self, cfg: Config, c: Components, first: int):
         self.c, self.first, self.accum = c, first, cfg.accum
         self.inject = set(cfg.trainer.inject_nonfinite_at)
         self.count_flops = cfg.trainer.count_flops

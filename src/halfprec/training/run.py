@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from halfprec.config import config_warnings, resolve_device, validate, validate_optimizer
+from halfprec.config import Config, config_warnings, resolve_device, saved, validate, validate_optimizer
+from halfprec.config.schema import CosineSchedule
+from halfprec.config.typed import typed
 from halfprec.errors import ConfigError, Interrupted, Preempted, naming
 from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.layers import layer_table
@@ -34,7 +36,7 @@ from halfprec.training.loop import train_loop
 from halfprec.training.metrics import LoopState
 from halfprec.training.progress import fmt
 from halfprec.training.signals import resume_command
-from halfprec.training.tracking import Tracker, build_tracker, saved_config
+from halfprec.training.tracking import Tracker, build_tracker
 
 
 def run(cfg: DictConfig, run_dir: str | Path, validated: bool = False) -> dict:
@@ -43,10 +45,11 @@ def run(cfg: DictConfig, run_dir: str | Path, validated: bool = False) -> dict:
     if not validated:
         validate(cfg)  # a bad value fails before any process group, checkpoint, data or model
     validate_optimizer(cfg)
-    set_threads(cfg)
-    world = distributed.init(cfg.trainer.distributed, resolve_device(cfg).type)
+    config = typed(cfg)  # from here on, the typed config alone
+    set_threads(config)
+    world = distributed.init(config.trainer.distributed, resolve_device(config.trainer.device, config.precision).type)
     try:
-        summary = _run(cfg, distributed.shared_run_dir(world, Path(run_dir)), world)
+        summary = _run(config, distributed.shared_run_dir(world, Path(run_dir)), world)
     except BaseException:
         distributed.finish(world, completed=False)
         raise
@@ -54,16 +57,15 @@ def run(cfg: DictConfig, run_dir: str | Path, validated: bool = False) -> dict:
     return summary
 
 
-def set_threads(cfg: DictConfig) -> None:
+def set_threads(cfg: Config) -> None:
     """torch's CPU threads from trainer.threads (auto: see halfprec.machine), set before anything is
     built; the number is written back into the config, so W&B and checkpoints record it."""
     threads = torch_threads(cfg.trainer.threads)
     torch.set_num_threads(threads)
-    with open_dict(cfg):
-        cfg.trainer.threads = threads
+    cfg.trainer.threads = threads
 
 
-def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Path | None, dict | None]:
+def resume_checkpoint(cfg: Config, run_dir: Path, world: World) -> tuple[Path | None, dict | None]:
     """The checkpoint `resume` names (None: a fresh start), loaded and checked against this config;
     the schedule's horizon set from it (or, fresh, from this config)."""
     path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints") if cfg.resume is not None else None
@@ -77,7 +79,7 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Pat
             f"trainer.max_steps above {ckpt['step']} to train on from it (the run it resumes had "
             f"{ckpt['config']['trainer']['max_steps']})",
         )  # fmt: skip
-    notes = [*check_resume_config(ckpt["config"], saved_config(cfg), path), lr_note(cfg, ckpt)]
+    notes = [*check_resume_config(ckpt["config"], saved(cfg), path), lr_note(cfg, ckpt)]
     for note in filter(None, notes):
         print(f"resume: {note}", file=sys.stderr)
     if world.is_main and ckpt.get("world_size", 1) != world.size:
@@ -89,17 +91,16 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, world: World) -> tuple[Pat
     return path, ckpt
 
 
-def set_horizon(cfg: DictConfig, ckpt: dict | None) -> None:
+def set_horizon(cfg: Config, ckpt: dict | None) -> None:
     """sched.total_steps: null becomes the steps the cosine runs over: trainer.max_steps, or on
     resume the horizon the run started with, so that a longer trainer.max_steps does not restart
     the decay. Written into the config, so W&B and checkpoints record it."""
-    if cfg.sched.name != "cosine" or cfg.sched.get("total_steps") is not None:
+    if not isinstance(cfg.sched, CosineSchedule) or cfg.sched.total_steps is not None:
         return
-    with open_dict(cfg):
-        cfg.sched.total_steps = schedule_horizon(ckpt["config"]) if ckpt else cfg.trainer.max_steps
+    cfg.sched.total_steps = schedule_horizon(ckpt["config"]) if ckpt else cfg.trainer.max_steps
 
 
-def lr_note(cfg: DictConfig, ckpt: dict) -> str | None:
+def lr_note(cfg: Config, ckpt: dict) -> str | None:
     """What the lr does from the checkpoint on, when the horizon changed or the run outgrows it."""
     if cfg.sched.name != "cosine":
         return None
@@ -120,7 +121,7 @@ def lr_note(cfg: DictConfig, ckpt: dict) -> str | None:
     )
 
 
-def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: int, policy: PrecisionPolicy) -> None:
+def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, policy: PrecisionPolicy) -> None:
     """Once everything is built: where this run writes, which Linear layers compute in which number
     format (if any is quantized) and which recipe switches they follow, the optimizer's values, and
     where it continues from; then the settings that work but rarely do what was meant."""
@@ -140,7 +141,7 @@ def say_where(cfg: DictConfig, run_dir: Path, resumed_from: Path | None, step: i
               "add resume=auto to continue from its checkpoint", file=sys.stderr)  # fmt: skip
 
 
-def _run(cfg: DictConfig, run_dir: Path, world: World) -> dict:
+def _run(cfg: Config, run_dir: Path, world: World) -> dict:
     path, ckpt = resume_checkpoint(cfg, run_dir, world)
     c = build(cfg, world)
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
@@ -192,7 +193,7 @@ def interrupted_line(step: int, run_dir: Path, world: World) -> str:
     return f"{done}; continue from it with: {resume_command(run_dir, world)}"
 
 
-def end_summary(cfg: DictConfig, c: Components, loop: LoopState, status: str, exit_code: int, wall_s: float) -> dict:
+def end_summary(cfg: Config, c: Components, loop: LoopState, status: str, exit_code: int, wall_s: float) -> dict:
     """summary.json and the W&B summary: how the run ended and its final numbers."""
     final, scaler = loop.final, c.scaler
     return {
@@ -222,7 +223,7 @@ def write_summary(path: Path, summary: dict) -> None:
         raise naming(err, path) from None
 
 
-def complete(cfg: DictConfig, c: Components, loop: LoopState, run_dir: Path, steps: int, wall_s: float) -> dict:
+def complete(cfg: Config, c: Components, loop: LoopState, run_dir: Path, steps: int, wall_s: float) -> dict:
     """A run that reached trainer.max_steps: the ranks agree, the losses are finite; its summary."""
     distributed.check_ranks_agree(c.model, c.scaler.scale, c.scaler.skipped_steps)
     check_finite(loop.final, cfg.trainer.max_steps)

@@ -3,34 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
+from halfprec.config import Config, saved
 from halfprec.loggers import LOGGERS, LoggerUnavailable, RunInfo, one_line
 from halfprec.loggers.jsonl import JsonlSink
-
-SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
-
-
-def redact(tree: Any) -> Any:
-    """The config as saved to W&B and checkpoints: values under secret-looking keys, and any value
-    equal to $WANDB_API_KEY (e.g. interpolated by ${oc.env:...}), become '***'."""
-    key = os.environ.get("WANDB_API_KEY")
-    if isinstance(tree, dict):
-        return {k: "***" if SECRET_KEY.search(str(k)) else redact(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [redact(v) for v in tree]
-    return "***" if key and isinstance(tree, str) and key in tree else tree
-
-
-def saved_config(cfg: DictConfig) -> dict:
-    """The resolved config as it is written to W&B and into checkpoints: redacted."""
-    return redact(OmegaConf.to_container(cfg, resolve=True))
 
 
 class Tracker:
@@ -71,7 +50,7 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def run_identity(cfg: DictConfig, run_dir: Path) -> tuple[str, str | None, list[str]]:
+def run_identity(cfg: Config, run_dir: Path) -> tuple[str, str | None, list[str]]:
     """Loggers' run name, group and tags from Hydra: named by the job's overrides, grouped by the
     sweep, tagged with every chosen group option (`precision:bf16`)."""
     try:
@@ -91,7 +70,7 @@ def run_identity(cfg: DictConfig, run_dir: Path) -> tuple[str, str | None, list[
 
 
 def build_tracker(
-    cfg: DictConfig, run_dir: Path, resume_step: int | None = None, states: dict[str, dict] | None = None
+    cfg: Config, run_dir: Path, resume_step: int | None = None, states: dict[str, dict] | None = None
 ) -> Tracker:
     """metrics.jsonl always, and each logger of `cfg.logger`; on resume, continue them from
     `resume_step` with the state each kept in the checkpoint (`states`)."""
@@ -99,7 +78,7 @@ def build_tracker(
     names = ["jsonl"]
     if cfg.logger:
         name, group, tags = run_identity(cfg, run_dir)
-        config = saved_config(cfg)
+        config = saved(cfg)
     for option, options in (cfg.logger or {}).items():
         info = RunInfo(run_dir, name, group, tags, config, resume_step, dict((states or {}).get(option) or {}))
         try:

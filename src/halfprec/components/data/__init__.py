@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeVar
 
 import torch
-from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
@@ -30,7 +29,7 @@ from halfprec.components.data.batches import (
     Workers,
     eval_batches,
 )
-from halfprec.spec import Spec
+from halfprec.spec import Choice, Spec
 
 
 @dataclass
@@ -100,10 +99,9 @@ def register_dataset(name: str, inputs: str = "tensors", targets: str = "classes
     return add
 
 
-def build_dataset(cfg: DictConfig) -> Dataset:
-    """The dataset `data.name` names, loaded with the other `data.*` keys but batch_size."""
-    kwargs = {str(k): v for k, v in cfg.items() if k not in ("name", "batch_size")}  # str: for mypy, keys are names
-    return DATASETS[cfg.name].load(**kwargs)
+def build_dataset(data: Choice) -> Dataset:
+    """The dataset `data.name` names, loaded with the other `data.*` keys (batch_size aside)."""
+    return DATASETS[data.name].load(**data.args)
 
 
 # The arguments the loaders of datasets read from disk share: their directory, their DataLoader's.

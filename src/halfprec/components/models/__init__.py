@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from halfprec.spec import Choice
+
 
 @dataclass(frozen=True)
 class ModelEntry:
@@ -38,9 +40,9 @@ def register_model(name: str, residual: bool = False, reads: str = "tensors"):
     return add
 
 
-def create_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    kwargs = {k: v for k, v in cfg.items() if k != "arch"}
-    return MODELS[cfg.arch].factory(input_shape=tuple(input_shape), num_classes=num_classes, **kwargs)
+def create_model(model: Choice, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """The model `model.arch` names, made with the other `model.*` keys as arguments."""
+    return MODELS[model.name].factory(input_shape=tuple(input_shape), num_classes=num_classes, **model.args)
 
 
 # Registration happens on import: every module of this package is imported, so a new model is one

@@ -18,6 +18,7 @@ import torch
 
 from halfprec.components.data import Dataset
 from halfprec.metrics import TRAIN_LOSS, VAL_LOSS, Metric
+from halfprec.spec import Choice
 
 
 class Evaluator:
@@ -76,10 +77,9 @@ def register_task(cls: T) -> T:
     return cls
 
 
-def build_task(cfg) -> Task:
+def build_task(task: Choice) -> Task:
     """The task `task.name` names; the other keys of the task group are its arguments."""
-    kwargs = {k: v for k, v in cfg.items() if k != "name"}
-    return TASKS[cfg.name](**kwargs)
+    return TASKS[task.name](**task.args)
 
 
 # Registration happens on import: every module of this package is imported, so a new task is one

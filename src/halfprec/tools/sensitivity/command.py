@@ -9,8 +9,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from halfprec.tools.sensitivity.measure import (
     SIGNIFICANT,
     Measured,
@@ -104,8 +102,8 @@ def sensitivity(args: argparse.Namespace) -> int:
     """The command: measure, print the table and the suggested rules, write the files."""
     check_arguments(args)
     run = load_run(args.path, args.device)
-    formats = parse_formats(args.formats or default_formats(run.cfg.precision.get("format")))
-    recipe = parse_recipe(args.recipe, run.cfg.precision.get("recipe") or OmegaConf.create())  # older runs: none
+    formats = parse_formats(args.formats or default_formats(run.precision.format))
+    recipe = parse_recipe(args.recipe, run.precision.recipe)
     out = args.out or (args.path if args.path.is_dir() else args.path.parent)
     writable(out, "--out")
     layers, _ = candidates(run, formats)  # a model with nothing to measure says so before any pass
@@ -115,13 +113,13 @@ def sensitivity(args: argparse.Namespace) -> int:
           file=sys.stderr)  # fmt: skip
     progress = Passes(total)
     try:
-        measured = measure(run, formats, args.batches, recipe, run.cfg.seed if args.seed is None else args.seed,
+        measured = measure(run, formats, args.batches, recipe, run.saved["seed"] if args.seed is None else args.seed,
                            progress.advance)  # fmt: skip
     finally:
         progress.close()
     fmt = formats[0]
     said = suggestion(fmt, args, measured, ranked(measured, fmt))
-    summary = Summary.of(str(args.path), run.step, run.cfg.precision.name, asdict(recipe), measured, formats)
+    summary = Summary.of(str(args.path), run.step, run.precision.name, asdict(recipe), measured, formats)
     print("\n".join([*describe(summary), "", *damage_table(summary), "", *said]))
     paths = write(summary, Path(out), ["## Suggested rules", "", *said])
     print(f"wrote {', '.join(str(p) for p in paths)}")

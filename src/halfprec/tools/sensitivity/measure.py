@@ -29,20 +29,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from halfprec.components.data import Dataset, build_dataset
 from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
 from halfprec.config import resolve_device
+from halfprec.config.schema import Precision
+from halfprec.config.typed import choice_of, precision_of
 from halfprec.errors import ConfigError
 from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.layers import HIGH, linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
-from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint, saved_precision
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once
 # Standard errors a damage must exceed to count: about 95% one-sided for the batch means' normal
@@ -58,7 +59,8 @@ class SensitivityError(Exception):
 class Run:
     """A trained model as its run computed it, and what scores it."""
 
-    cfg: DictConfig
+    saved: dict  # the config its checkpoint saved, the keys added since filled in
+    precision: Precision
     checkpoint: Path
     step: int
     model: nn.Module
@@ -92,28 +94,28 @@ def load_run(path: Path, device: str | None = None) -> Run:
         ckpt = load_checkpoint(ckpt_path)
     except ConfigError as err:  # its advice is resume's: keep what it says of the file
         raise SensitivityError(f"{ckpt_path}: {err.fix.split(';')[0]}") from None
+    saved = ckpt["config"]
+    precision = precision_of(saved_precision(saved))  # a run from before a key: the value it behaved as
     try:
-        cfg = OmegaConf.create(ckpt["config"])
-        if device:
-            cfg.trainer.device = device
-        target = resolve_device(cfg)  # the run's device and precision must work here
-        data = build_dataset(cfg.data)  # its data must be where the run read it
-        model = create_model(cfg.model, data.input_shape, data.num_classes)
+        target = resolve_device(device or saved["trainer"]["device"], precision)  # it must work here
+        data = build_dataset(choice_of("data", saved["data"]))  # its data must be where the run read it
+        model = create_model(choice_of("model", saved["model"]), data.input_shape, data.num_classes)
     except ConfigError as err:
         raise SensitivityError(f"{ckpt_path}: {err}") from None
-    policy = PrecisionPolicy.from_config(cfg.precision, target.type)
+    policy = PrecisionPolicy.from_config(precision, target.type)
     policy.prepare_model(model)
     # QuantizedLinear keeps its count of backward passes as extra state: not a weight
     weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
     model.load_state_dict(weights)
     model.to(target).eval()
-    return Run(cfg, ckpt_path, int(ckpt["step"]), model, data, build_task(cfg.task), policy, target)
+    task = build_task(choice_of("task", saved["task"]))
+    return Run(saved, precision, ckpt_path, int(ckpt["step"]), model, data, task, policy, target)
 
 
-def parse_recipe(text: str, run_recipe: DictConfig) -> Recipe:
+def parse_recipe(text: str, run_recipe: Recipe) -> Recipe:
     """--recipe: `run` (the run's precision.recipe switches), `none`, or switches joined by commas."""
     if text == "run":
-        chosen = [s for s in RECIPE_SWITCHES if run_recipe.get(s)]
+        chosen = [s for s in RECIPE_SWITCHES if getattr(run_recipe, s)]
     elif text == "none":
         chosen = []
     else:
@@ -123,10 +125,9 @@ def parse_recipe(text: str, run_recipe: DictConfig) -> Recipe:
             raise SensitivityError(
                 f"--recipe: unknown {', '.join(unknown)}; use run, none, or {', '.join(RECIPE_SWITCHES)}"
             )
-    # the run's E8M0 rule (a run from before it: the off value); the gradients in the measured format itself
-    rule = run_recipe.get("scale_rule", Recipe().scale_rule)
+    # the run's E8M0 rule; the gradients in the measured format itself
     switches: dict[str, Any] = {s: s in chosen for s in RECIPE_SWITCHES}
-    return Recipe(scale_rule=rule, **switches)
+    return Recipe(scale_rule=run_recipe.scale_rule, **switches)
 
 
 def parse_formats(text: str) -> list[str]:
@@ -314,7 +315,7 @@ def candidates(run: Run, formats: list[str]) -> tuple[list[str], dict[str, dict[
 
 def validation_batches(run: Run, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `count` validation batches (none for a count below 1: measure() then says so)."""
-    size = run.task.val_batch_size(int(run.cfg.data.batch_size))
+    size = run.task.val_batch_size(int(run.saved["data"]["batch_size"]))
     return itertools.islice(run.data.val_batches(size, run.device), max(count, 0))
 
 

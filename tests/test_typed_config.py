@@ -1,0 +1,43 @@
+"""The typed config (config/typed.py): what validation passed becomes the dataclasses the code reads,
+and back, unchanged, for W&B, checkpoints and the resume check."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+from test_cli import NEEDS, OPTIONS
+
+from halfprec.config import Config, saved, schema
+from halfprec.config.typed import as_tree, typed
+from halfprec.numerics.quantized import Recipe
+from halfprec.spec import Choice
+
+from helpers import compose_cfg, typed_cfg
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if not o.startswith("+experiment")])
+def test_every_option_types_and_comes_back_as_composed(option):
+    cfg = compose_cfg(option, *NEEDS.get(option, []), *(["task=lm"] if option.startswith("ablation") else []))
+    config = typed(cfg)
+    assert as_tree(config) == OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_the_groups_are_their_dataclasses():
+    config = typed_cfg("precision=nvfp4", "task=lm", "scaler=static", "logger=[csv]", "init=default")
+    assert isinstance(config, Config) and isinstance(config.precision, schema.Precision)
+    assert isinstance(config.precision.recipe, Recipe) and config.precision.recipe.hadamard
+    assert isinstance(config.scaler, schema.StaticScaler) and isinstance(config.sched, schema.CosineSchedule)
+    assert (
+        config.model == Choice("gpt", {k: v for k, v in config.model.args.items()}) and "n_layer" in config.model.args
+    )
+    assert isinstance(config.data, schema.Data) and config.data.name == "pydoc" and config.data.batch_size > 0
+    assert (
+        config.optim._target_ == "torch.optim.AdamW" and "betas" in config.optim.args and "lr" not in config.optim.args
+    )
+    assert config.logger == {"csv": {}}
+
+
+def test_what_a_run_fills_in_is_saved():
+    config = typed_cfg("trainer.threads=auto")
+    config.trainer.threads = 2
+    assert saved(config)["trainer"]["threads"] == 2
