@@ -44,7 +44,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch import nn
 
-from halfprec.config import validate
+from halfprec.config import as_config, validate
 from halfprec.training.build import Components, build, lr_factor, schedule_args
 from halfprec.training.metrics import evaluate
 from halfprec.training.run import run
@@ -138,7 +138,7 @@ def lr_at(it: int, cfg: DictConfig, control: bool) -> float:
     max_iters; --control: halfprec's schedule (sched.*), from halfprec's own function."""
     lr, steps = cfg.optim.lr, cfg.trainer.max_steps
     if control:
-        return lr * lr_factor(it, *schedule_args(cfg))
+        return lr * lr_factor(it, *schedule_args(as_config(cfg)))
     return get_lr(it, lr, cfg.sched.warmup_steps, steps, lr / 10)
 
 
