@@ -52,7 +52,7 @@ def test_compare_loops_fp8_against_the_raw_loop(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"halfprec", "raw"}
-    assert rows["raw"]["note"].startswith("torchao float8 tensorwise")
+    assert rows["raw"]["note"].startswith("torchao float8 fp8_e4m3")  # precision=fp8: tensorwise scales
     assert all(r["computed_dtype"] == "bfloat16" for r in rows.values())
     assert rows["halfprec"]["steps"] == rows["raw"]["steps"]
     assert rows["halfprec"]["max_param_diff_vs_raw"] <= 1e-5
