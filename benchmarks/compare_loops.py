@@ -245,8 +245,8 @@ class RawLoop(Loop):
             self.note = "fp32 master weights"
         elif policy.is_pure:
             self.note = f"optimizer steps the {dtype_name(policy.param_dtype)} weights directly"
-        elif policy.kernel == "native":  # the deep copy of halfprec's model carries its torchao Float8Linear layers
-            self.note = f"torchao float8 {policy.format} layers, bf16 autocast"
+        elif policy.config.kernel == "native":  # its model copy has torchao's Float8Linear layers
+            self.note = f"torchao float8 {policy.config.format} layers, bf16 autocast"
         self.params = self.master or list(model.parameters())  # what the optimizer steps
         self.optimizer = new_optimizer(self.params)
         self.scheduler = constant_schedule(self.optimizer)

@@ -27,7 +27,7 @@ from halfprec.tools.memory import (
 )
 from halfprec.training.build import Components
 
-from helpers import batch, build_from
+from helpers import batch, build_from, typed_cfg
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -127,7 +127,7 @@ def test_activations_match_hand_count(precision, expected):
 def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
-    policy = PrecisionPolicy("bf16_pure_master", None, torch.bfloat16, True, "nearest", True, False)
+    policy = PrecisionPolicy.from_config(typed_cfg("precision=bf16_pure_master").precision, "cpu")
     policy.prepare_model(model)
     params = build_params(model, policy)
     optimizer = torch.optim.SGD(params.params, lr=0.1, momentum=0.9)

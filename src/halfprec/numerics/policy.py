@@ -13,8 +13,7 @@ from torch import nn
 
 from halfprec.errors import PrecisionMismatch
 from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
-from halfprec.numerics.layers import HIGH, Rule, nothing_to_quantize, plan_layers
-from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.layers import HIGH, nothing_to_quantize, plan_layers
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,52 +31,41 @@ COMPILE_PAYS_FROM = 1000
 
 @dataclass
 class PrecisionPolicy:
-    name: str
+    """precision.* as a run computes with it: `config`, config/schema.py's typed Precision, as
+    given, and what it resolves to on this device (from_config): the torch dtypes, whether fp32
+    master weights exist, the update rule, the quantizer; then the plan of layers once swapped."""
+
+    config: Any  # schema.Precision (numerics does not import config): name, format, recipe, rules, ...
     autocast_dtype: torch.dtype | None  # None: no autocast
     param_dtype: torch.dtype
     master_weights: bool  # fp32 copies for the optimizer (pure modes only)
-    update: str  # nearest | kahan | stochastic: how an update is rounded into low-precision weights
-    keep_norm_fp32: bool
-    tf32: bool
-    device_type: str = "cpu"
-    reduce_dtype: torch.dtype = torch.float32  # trainer=fsdp: dtype gradients are reduce-scattered in
-    fp8_emulate: bool = False  # precision.kernel=native: torchao's float8 casts in emulation
-    format: str | None = None  # the number format of the Linear layers' GEMMs, emulated (numerics/formats)
-    recipe: Recipe = field(default_factory=Recipe)
-    rules: tuple[Rule, ...] = ()
-    high_first: int = 0
-    high_last: int = 0
-    kernel: str = "emulated"  # the converter (numerics/converters): emulated (QuantizedLinear) | native (torchao)
-    quantizer: str = "eager"  # emulated layers' quantizers: eager | compiled (precision.quantizer, resolved)
+    update: str  # a rule of numerics/rounding.py: how an update is rounded into low-precision weights
+    device_type: str
+    reduce_dtype: torch.dtype  # trainer=fsdp: dtype gradients are reduce-scattered in
+    quantizer: str  # emulated layers' quantizers: eager | compiled (precision.quantizer, resolved)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
 
     @classmethod
     def from_config(cls, p: Any, device_type: str, steps: int | None = None) -> PrecisionPolicy:
-        """The policy of `p`, config/schema.py's typed Precision (precision.*), on `device_type`; the
-        torch dtypes, the master weights and update rule as resolved, the quantizer as chosen for a
-        run of `steps` (precision.quantizer=auto: quantizer_for)."""
+        """The policy of `p`, the typed Precision (precision.*), on `device_type`, its quantizer as
+        chosen for a run of `steps` (precision.quantizer=auto: quantizer_for)."""
         return cls(
-            name=p.name,
+            config=p,
             autocast_dtype=DTYPES[p.autocast] if p.autocast else None,
             param_dtype=DTYPES[p.param_dtype],
             # precision.master=fp32 is master_weights=true; remainder is the rounding rule that keeps
             # the 16 bits bf16 drops (numerics/rounding.py), so that the update is exact
             master_weights=p.master == "fp32" or (p.master is None and p.master_weights),
             update="remainder" if p.master == "remainder" else p.update,
-            keep_norm_fp32=p.keep_norm_fp32,
-            tf32=p.tf32,
             device_type=device_type,
             reduce_dtype=DTYPES[p.reduce_dtype],
-            fp8_emulate=p.fp8_emulate,
-            format=p.format,
-            recipe=p.recipe,
-            rules=tuple(Rule(r.match, r.format) for r in p.rules),
-            high_first=p.high_first,
-            high_last=p.high_last,
-            kernel=p.kernel,
             quantizer=quantizer_for(p.quantizer, device_type, steps),
         )
+
+    @property
+    def name(self) -> str:
+        return self.config.name
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -94,8 +82,8 @@ class PrecisionPolicy:
     def apply_backend_flags(self) -> None:
         """TF32 is process-wide in torch; set it explicitly so fp32 really means fp32."""
         if self.device_type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = self.tf32
-            torch.backends.cudnn.allow_tf32 = self.tf32
+            torch.backends.cuda.matmul.allow_tf32 = self.config.tf32
+            torch.backends.cudnn.allow_tf32 = self.config.tf32
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -113,7 +101,7 @@ class PrecisionPolicy:
             return []
         model.to(self.param_dtype)
         kept: list[nn.Module] = []
-        if self.keep_norm_fp32:
+        if self.config.keep_norm_fp32:
             for module in model.modules():
                 if isinstance(module, NORM_TYPES):
                     module.float()
@@ -126,14 +114,15 @@ class PrecisionPolicy:
         """Swap the Linear layers the plan gives a format (numerics/layers.py) for the quantized ones of
         the converter precision.kernel names (numerics/converters), before any wrapping (DDP, FSDP2,
         torch.compile). Return the plan: each Linear's format or high."""
-        if not (self.format or any(r.format != HIGH for r in self.rules)):
+        p = self.config
+        if not (p.format or any(r.format != HIGH for r in p.rules)):
             return {}
-        converter = CONVERTERS[self.kernel]
-        plan = plan_layers(model, self.format, self.rules, self.high_first, self.high_last, converter.fits)
+        converter = CONVERTERS[p.kernel]
+        plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, converter.fits)
         if all(f == HIGH for f in plan.values()):
-            first, last, unfit = self.high_first, self.high_last, converter.unfit
-            raise nothing_to_quantize(model, self.format, self.rules, first, last, converter.fits, unfit, self.name)
-        how = Conversion(self.recipe, seed, rank, self.device_type, self.quantizer, self.fp8_emulate)
+            first, last, unfit = p.high_first, p.high_last, converter.unfit
+            raise nothing_to_quantize(model, p.format, p.rules, first, last, converter.fits, unfit, p.name)
+        how = Conversion(p.recipe, seed, rank, self.device_type, self.quantizer, p.fp8_emulate)
         self.notes = converter.convert(model, plan, how)
         self.layers = plan
         return plan
@@ -169,7 +158,7 @@ class PrecisionPolicy:
         """Each Linear layer still computes in its planned format at the first step (nothing swapped
         it back or wrapped it away); the counts per format, `precision/layers/<format>`, and what
         computes them, `precision/kernel`: emulated (QuantizedLinear) or torchao (Float8Linear)."""
-        kernel = CONVERTERS[self.kernel].reports_as
+        kernel = CONVERTERS[self.config.kernel].reports_as
         counts: dict[str, str | int] = {"precision/kernel": kernel} if self.layers else {}
         for name, planned in self.layers.items():
             found = layer_format(model.get_submodule(name))

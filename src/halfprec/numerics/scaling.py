@@ -9,7 +9,9 @@ private state.
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -195,23 +197,13 @@ class DynamicLossScaler(LossScaler):
                 self.growths += 1
 
 
-def build_scaler(cfg, uses_fp16: bool) -> LossScaler:
-    """Build the scaler that `cfg.kind` names; `auto` is dynamic for fp16 modes, none otherwise."""
-    kind = cfg.kind
-    if kind == "auto":
-        kind = "dynamic" if uses_fp16 else "none"
-    skips, rate = cfg.max_consecutive_skips, cfg.max_overflow_rate
-    if kind == "none":
-        return LossScaler(skips, rate)
-    if kind == "static":
-        return StaticLossScaler(cfg.scale, skips, rate)
-    return DynamicLossScaler(
-        init_scale=cfg.init_scale,
-        growth_factor=cfg.growth_factor,
-        backoff_factor=cfg.backoff_factor,
-        growth_interval=cfg.growth_interval,
-        hysteresis=cfg.hysteresis,
-        min_scale=cfg.min_scale,
-        max_consecutive_skips=skips,
-        max_overflow_rate=rate,
-    )
+SCALERS: dict[str, type[LossScaler]] = {"none": LossScaler, "static": StaticLossScaler, "dynamic": DynamicLossScaler}
+
+
+def build_scaler(cfg: Any, uses_fp16: bool) -> LossScaler:
+    """The scaler `cfg.kind` names (`auto`: dynamic for fp16 modes, none otherwise), made with the
+    keys of its typed config (config/schema.py's variant for scaler.kind) that it takes as arguments."""
+    kind = ("dynamic" if uses_fp16 else "none") if cfg.kind == "auto" else cfg.kind
+    cls = SCALERS[kind]
+    accepted = inspect.signature(cls).parameters
+    return cls(**{key: value for key, value in vars(cfg).items() if key in accepted})

@@ -22,7 +22,7 @@ def math_kind(policy: PrecisionPolicy) -> str:
     counts as half: only the eligible Linear layers compute in float8, the rest in bf16 (against the
     fp8 peak, twice the bf16 one, the figure would read half as high)."""
     if policy.compute_dtype == torch.float32:
-        return "tf32" if policy.tf32 else "fp32"
+        return "tf32" if policy.config.tf32 else "fp32"
     return "half"
 
 
