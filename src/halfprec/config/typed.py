@@ -62,6 +62,12 @@ def objective_of(cfg: DictConfig) -> tuple[str, str | None]:
     return cfg.task.name, cfg.objective
 
 
+def fail_fast_of(cfg: DictConfig) -> bool:
+    """Whether a sweep stops at its first failed job (a Hydra callback's job config: a job that failed
+    validation has no typed config, and its fail_fast may be anything)."""
+    return bool(cfg.get("fail_fast"))
+
+
 def as_config(cfg: DictConfig | schema.Config) -> schema.Config:
     """A run's entry points (run, build) take either: a Config as it is, a composed one typed."""
     return cfg if isinstance(cfg, schema.Config) else typed(cfg)

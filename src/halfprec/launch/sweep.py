@@ -16,6 +16,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from halfprec.config import fail_fast_of
 from halfprec.errors import Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 from halfprec.launch.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
@@ -90,7 +91,7 @@ class SweepRecord(Callback):
             line["message"] = sweep_log.failure_message(line, known[1] if known else line["error"])
         sweep_log.append(Path(hydra.sweep.dir) / "sweep.jsonl", line)
         if err is not None and os.getpid() == self._sweep_pid:
-            self._job_failed(line, err, known is not None, bool(config.get("fail_fast")))
+            self._job_failed(line, err, known is not None, fail_fast_of(config))
 
     @staticmethod
     def _job_failed(line: dict, err: BaseException, known: bool, fail_fast: bool) -> None:
