@@ -80,15 +80,16 @@ def test_an_emulated_fp8_gpt_trains_like_bf16(tmp_path):
 
 @pytest.mark.parametrize("option, recipe", [("fp8", "tensorwise"), ("fp8_row", "rowwise")])
 def test_a_checkpoint_from_before_the_converters_resumes_as_the_fp8_run_it_was(option, recipe):
-    """Checkpoints from before precision=fp8 became a format on precision.kernel=native spelled it
-    precision.fp8=<torchao recipe>, with no format and the emulated kernel."""
+    """Checkpoints from before precision=fp8 became a format on precision.kernel=native were
+    precision=fp8 with precision.fp8=<torchao recipe>, no format and the emulated kernel (rowwise
+    is precision=fp8_row now)."""
     from pathlib import Path
 
     from halfprec.config import saved
     from halfprec.training.checkpoint import check_resume_config
 
     new = saved(typed_cfg(f"precision={option}"))
-    p = {**new["precision"], "fp8": recipe, "format": None, "kernel": "emulated"}
+    p = {**new["precision"], "name": "fp8", "fp8": recipe, "format": None, "kernel": "emulated"}
     old = {**new, "precision": {**p, "recipe": {**p["recipe"], "grad_format": None}}}
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
     emulated = saved(typed_cfg(f"precision={option}", "precision.kernel=emulated"))

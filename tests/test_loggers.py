@@ -157,3 +157,8 @@ def test_a_checkpoint_from_before_the_loggers_group_resumes_its_wandb_run():
     assert logger_states({"wandb_id": "abc12345"}) == {"wandb": {"id": "abc12345"}}
     assert logger_states({"wandb_id": None}) == {}
     assert logger_states({"loggers": {"mlflow": {"run_id": "r"}}}) == {"mlflow": {"run_id": "r"}}
+
+
+def test_a_logger_added_key_by_key_without_its_option_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"logger.wandb=.*lacks mode, .*: turn it on with logger=wandb"):
+        validate(compose_cfg("logger=none", "+logger.wandb.project=x"))

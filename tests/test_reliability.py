@@ -259,6 +259,12 @@ def test_saved_configs_are_redacted(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-key")
     config = {"logger": {"note": "key=s3cr3t-key", "api_key": "other"}, "tags": ["s3cr3t-key", "ok"], "lr": 0.1}
     assert redact(config) == {"logger": {"note": "***", "api_key": "***"}, "tags": ["***", "ok"], "lr": 0.1}
+    store = {"tracking_uri": "postgresql://bob:hunter2@db:5432/mlflow"}  # from $MLFLOW_TRACKING_URI
+    assert redact(store) == {"tracking_uri": "postgresql://bob:***@db:5432/mlflow"}
+    assert redact({"u": "http://db:5000/x", "s": "sqlite:///outputs/mlflow.db"}) == {
+        "u": "http://db:5000/x",
+        "s": "sqlite:///outputs/mlflow.db",
+    }
 
 
 REQUEUE_SCRIPT = """

@@ -295,3 +295,18 @@ def test_a_run_without_a_checkpoint_and_a_foreign_file_are_one_line(tmp_path):
     result = run_tool("sensitivity", str(tmp_path / "notes.pt"), cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith(f"halfprec sensitivity: error: {tmp_path / 'notes.pt'}: unreadable checkpoint (")
+
+
+def test_a_checkpoint_from_an_older_version_is_measured_with_the_keys_it_implies(tmp_path, capsys):
+    """tests/data's checkpoint predates task=, precision.kernel and the recipe: the tool rebuilds
+    its run as that version ran it (a classification MLP in pure bf16, nothing quantized)."""
+    import shutil
+
+    from halfprec.tools.cli import main
+
+    (tmp_path / "checkpoints").mkdir()
+    old = Path(__file__).parent / "data" / "checkpoint-80b0cad-bf16_pure_kahan.pt"
+    shutil.copy(old, tmp_path / "checkpoints" / "step-00000004.pt")
+    assert main(["sensitivity", str(tmp_path), "--batches", "1", "--formats", "mxfp8"]) == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "sensitivity.json").read_text())
+    assert summary["formats"] == ["mxfp8"] and summary["precision"] == "bf16_pure_kahan"

@@ -91,17 +91,21 @@ def as_tree(config: schema.Config) -> dict[str, Any]:
 
 
 SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
+URL_PASSWORD = re.compile(r"(://[^/@\s:]*:)[^/@\s]+@")  # scheme://user:password@host (an MLflow store's URI)
 
 
 def redact(tree: Any) -> Any:
     """The config as saved to W&B and checkpoints: values under secret-looking keys, and any value
-    equal to $WANDB_API_KEY (e.g. interpolated by ${oc.env:...}), become '***'."""
+    equal to $WANDB_API_KEY (e.g. interpolated by ${oc.env:...}), become '***'; so does the password
+    of a URL (logger.mlflow.tracking_uri from $MLFLOW_TRACKING_URI)."""
     key = os.environ.get("WANDB_API_KEY")
     if isinstance(tree, dict):
         return {k: "***" if SECRET_KEY.search(str(k)) else redact(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [redact(v) for v in tree]
-    return "***" if key and isinstance(tree, str) and key in tree else tree
+    if not isinstance(tree, str):
+        return tree
+    return "***" if key and key in tree else URL_PASSWORD.sub(r"\1***@", tree)
 
 
 def saved(config: schema.Config) -> dict:

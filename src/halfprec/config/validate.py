@@ -89,6 +89,12 @@ def check_loggers(node: DictConfig) -> None:
     for name in map(str, node):  # a composed config's keys are str (known_keys checked each)
         entry = LOGGERS[name]
         check_node(node[name], entry.cls, f"logger.{name}", f"logger={name}", hidden=("run",))
+        needed = [p for p in inspect.signature(entry.cls).parameters if p != "run" and p not in node[name]]
+        if needed:  # +logger.wandb.project=x without logger=wandb: its YAML has the other keys
+            fix = (
+                f"lacks {', '.join(needed)}: turn it on with logger={name} (or logger=[...,{name}]), then set its keys"
+            )
+            raise ConfigError(f"logger.{name}", OmegaConf.to_container(node[name]), fix)
         if importlib.util.find_spec(entry.package) is None:
             fix = f"needs the {entry.package} package, which is not installed: {entry.install}"
             raise ConfigError("logger", name, fix)

@@ -67,12 +67,18 @@ class MlflowSink:
         ]
         if metrics:  # in MLflow's own thread: a SQLite write per row took ~6 ms of the step (metrics.jsonl has it)
             self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        if len(self.pending) >= 100:  # what is written is let go of, a hundred rows at a time
+            self._wait()
+
+    def _wait(self) -> None:
+        for written in self.pending:
+            written.wait()
+        self.pending.clear()
 
     def finish(self, summary: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        for written in self.pending:
-            written.wait()
+        self._wait()
         tags = [RunTag(f"summary.{k}", str(v)) for k, v in summary.items()]
         self.client.log_batch(self.run_id, tags=tags)
         self.client.set_terminated(self.run_id, END_STATUS.get(summary.get("status", ""), "FAILED"))

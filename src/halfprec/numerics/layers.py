@@ -105,8 +105,8 @@ def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule]
             )  # fmt: skip
     if fits is not None and quantizes(rules, high_first, high_last, None):
         return ConfigError("precision", name, f"no Linear layer of this model has {unfit}, so none can compute in "
-                           f"{fmt} with precision.kernel (the output head stays high unless a precision.rules entry "
-                           "names it): widen the model or use precision=bf16")  # fmt: skip
+                           f"{fmt} on this kernel (the output head stays high unless a precision.rules entry names "
+                           "it): widen the model, or use precision.kernel=emulated or precision=bf16")  # fmt: skip
     if not linear_layers(model):
         return ConfigError("precision", name, f"{type(model).__name__} has no Linear layer (convolutions, embeddings "
                            "and norms are not quantized): use precision=bf16")  # fmt: skip

@@ -193,22 +193,25 @@ OLDER_FP8: dict[str, dict[str, Any]] = {
 def respelled(old: dict[str, Any]) -> dict[str, Any]:
     """An older checkpoint's flattened config in today's keys."""
     fp8 = old.pop("precision.fp8", None)
-    return {**old, **OLDER_FP8[fp8], "precision.kernel": "native"} if fp8 in OLDER_FP8 else old
+    if fp8 not in OLDER_FP8:
+        return old
+    if fp8 == "rowwise" and old.get("precision.name") == "fp8":  # precision=fp8 precision.fp8=rowwise
+        old["precision.name"] = "fp8_row"  # is precision=fp8_row now
+    return {**old, **OLDER_FP8[fp8], "precision.kernel": "native"}
 
 
-def saved_precision(saved: dict) -> dict:
-    """A checkpoint's precision.* in today's keys, each key added since it was saved set to the value
-    its run behaved as (IMPLIED_BY_OLDER_CHECKPOINTS): what a tool rebuilding its run reads."""
-    implied = {k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k.startswith("precision.")}
-    flat = {**implied, **respelled(_flatten(saved))}
+def with_implied_keys(saved: dict) -> dict:
+    """A checkpoint's config in today's keys, each key added since it was saved set to the value its
+    run behaved as (IMPLIED_BY_OLDER_CHECKPOINTS; a model's or a dataset's own keys are left to the
+    factory, since only some take them): what a tool rebuilding its run reads."""
+    implied = {k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if not k.startswith(("model.", "data."))}
     tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        if key.startswith("precision."):
-            *parents, leaf = key.removeprefix("precision.").split(".")
-            node = tree
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+    for key, value in {**implied, **respelled(_flatten(saved))}.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return tree
 
 

@@ -33,7 +33,10 @@ class Tracker:
                     warn(f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); continuing without it")
                 i = self.sinks.index(sink)
                 del self.sinks[i], self.names[i]
-                sink.abandon()
+                try:
+                    sink.abandon()
+                except Exception:  # it failed once already (a full disk, a store gone): best effort
+                    pass
 
     def state(self) -> dict[str, dict]:
         """Each logger's own state (W&B's run id, MLflow's), for checkpoints: a resume continues them."""

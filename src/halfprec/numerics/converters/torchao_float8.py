@@ -28,7 +28,7 @@ KEY = "precision.kernel"
 @register_converter("native")
 class TorchaoFloat8Converter(Converter):
     reports_as = "torchao"
-    unfit = "in and out features divisible by 16"
+    unfit = "in and out features divisible by 16 (torchao's float8 kernel)"
 
     def check_config(self, p: Any) -> None:
         """A format torchao has a training kernel for, as the format defines it (no recipe switch the

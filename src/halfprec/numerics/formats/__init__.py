@@ -87,9 +87,11 @@ FORMATS = {
         Format("nvfp4", E["e2m1"], 16, "nvfp4", tile=16),  # NVIDIA's: weights 16x16 in its recipe
     )
 }
-# the formats with a scale per block of values (MX, NVFP4, fp8_block): what `halfprec sensitivity`
-# measures by default
-BLOCK_SCALED = tuple(name for name, f in FORMATS.items() if isinstance(f.block, int))
+# the formats with a scale per block of values, the MX ones first (mxfp8 leads: a run without a
+# format gets rules for it), then fp8_block and nvfp4: what `halfprec sensitivity` measures by default
+BLOCK_SCALED = tuple(
+    sorted((name for name, f in FORMATS.items() if isinstance(f.block, int)), key=lambda n: FORMATS[n].scale != "e8m0")
+)
 ROUNDINGS = ("nearest", "stochastic")
 CHUNK = 2**16  # values quantized at a time on a CPU (fake_quantize's temporaries: 256 KB each)
 SCALE_RULES = ("floor", "rceil")

@@ -43,7 +43,7 @@ from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.layers import HIGH, linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
-from halfprec.training.checkpoint import checkpoint_files, load_checkpoint, saved_precision
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint, with_implied_keys
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once
 # Standard errors a damage must exceed to count: about 95% one-sided for the batch means' normal
@@ -94,8 +94,8 @@ def load_run(path: Path, device: str | None = None) -> Run:
         ckpt = load_checkpoint(ckpt_path)
     except ConfigError as err:  # its advice is resume's: keep what it says of the file
         raise SensitivityError(f"{ckpt_path}: {err.fix.split(';')[0]}") from None
-    saved = ckpt["config"]
-    precision = precision_of(saved_precision(saved))  # a run from before a key: the value it behaved as
+    saved = with_implied_keys(ckpt["config"])  # a run from before a key: the value it behaved as
+    precision = precision_of(saved["precision"])
     try:
         target = resolve_device(device or saved["trainer"]["device"], precision)  # it must work here
         data = build_dataset(choice_of("data", saved["data"]))  # its data must be where the run read it
