@@ -162,3 +162,22 @@ def test_a_checkpoint_from_before_the_loggers_group_resumes_its_wandb_run():
 def test_a_logger_added_key_by_key_without_its_option_is_a_config_error():
     with pytest.raises(ConfigError, match=r"logger.wandb=.*lacks mode, .*: turn it on with logger=wandb"):
         validate(compose_cfg("logger=none", "+logger.wandb.project=x"))
+
+
+def test_a_logger_whose_close_fails_too_is_dropped_and_training_goes_on(tmp_path, capsys):
+    """A full disk fails the write and the close after it: one warning, the run goes on."""
+    from halfprec.loggers.jsonl import JsonlSink
+    from halfprec.training.tracking import Tracker
+
+    class Broken:
+        def log(self, row):
+            raise OSError("No space left on device")
+
+        def abandon(self):
+            raise OSError("No space left on device")
+
+    tracker = Tracker([JsonlSink(tmp_path / "metrics.jsonl"), Broken()], ["jsonl", "broken"])
+    tracker.log({"step": 1, "train/loss": 2.0})
+    tracker.log({"step": 2, "train/loss": 1.0})
+    assert len(tracker.sinks) == 1 and read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == 2
+    assert capsys.readouterr().err.count("Broken.log failed (OSError: No space left on device)") == 1
