@@ -75,13 +75,13 @@ def check_layer_formats(p: DictConfig) -> None:
 
 
 def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
-    """The format names against the registry (`formats`: numerics/formats' FORMATS), and the recipe's
-    partial switches against the formats named (a switch none of them can use is an error; one that
-    some cannot use is said at start, numerics/layers.py's recipe_reach, once the plan is known)."""
-    from halfprec.numerics.layers import recipe_reach
+    """The format names against the registry (`formats`: numerics/formats' FORMATS), then what the
+    converter precision.kernel names says of the formats and the recipe (numerics/converters)."""
+    from halfprec.numerics.converters import CONVERTERS
     from halfprec.numerics.quantized import Recipe
 
-    switched = {k: v for k, v in p.recipe.items() if v != getattr(Recipe(), str(k))}  # away from its off value
+    off = Recipe()
+    switched = {k: v for k, v in p.recipe.items() if v != getattr(off, str(k))}  # away from its off value
     if switched and not quantizes(p):
         key, value = next(iter(switched.items()))
         raise ConfigError(
@@ -96,13 +96,7 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
     for i, rule in enumerate(p.rules):
         if rule.format not in ("high", *formats):
             raise ConfigError(f"precision.rules[{i}].format", rule.format, f"a format ({names}) or high")
-    used = [f for f in dict.fromkeys([p.format, *(r.format for r in p.rules)]) if f in formats]
-    if p.kernel != "emulated":  # the others compute what they compute: their converter says what
-        from halfprec.numerics.converters import CONVERTERS
-
-        CONVERTERS[p.kernel].check_config(p)
-    elif used:
-        recipe_reach(used, Recipe(**p.recipe))
+    CONVERTERS[p.kernel].check_config(p)
 
 
 def check_scaler(s: DictConfig) -> None:

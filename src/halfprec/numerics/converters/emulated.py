@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from halfprec.numerics.converters import Conversion, Converter, register_converter
+from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.layers import HIGH, layer_seed, recipe_reach
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_note
 
@@ -22,7 +23,11 @@ class EmulatedConverter(Converter):
     reports_as = "emulated"
 
     def check_config(self, p: Any) -> None:
-        pass  # every format and switch; which switches reach which formats is said at start (recipe_reach)
+        """Every format and switch; a partial switch none of the formats named can use is an error
+        (recipe_reach; which formats one misses is said at start, once the plan is known)."""
+        named = [f for f in dict.fromkeys([p.format, *(r.format for r in p.rules)]) if f in FORMATS]
+        if named:
+            recipe_reach(named, Recipe(**p.recipe))
 
     def convert(self, model: nn.Module, plan: dict[str, str], how: Conversion) -> list[str]:
         notes = recipe_reach(list(dict.fromkeys(f for f in plan.values() if f != HIGH)), how.recipe)
