@@ -47,6 +47,18 @@ class Choice:
     args: dict[str, Any]
 
 
+def flat_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config as its dotted keys (`precision.recipe.hadamard`) and their values; an empty
+    mapping has no key."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def check_node(
     node: DictConfig,
     schema: type | Callable,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -84,7 +84,7 @@ def as_tree(config: schema.Config) -> dict[str, Any]:
             value = {CHOSEN_BY[f.name]: value.name, **extra, **value.args}
         elif f.name == "optim":
             value = {k: v for k, v in asdict(value).items() if k != "args"} | value.args
-        elif f.name not in ("logger",) and hasattr(value, "__dataclass_fields__"):
+        elif is_dataclass(value) and not isinstance(value, type):
             value = asdict(value)
         tree[f.name] = value
     return tree

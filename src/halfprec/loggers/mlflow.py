@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from halfprec.loggers import RunInfo, register_logger
-from halfprec.spec import Spec
+from halfprec.spec import Spec, flat_keys
 
 # how summary.json's status ends an MLflow run; anything else (diverged, failed) is FAILED
 END_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "interrupted": "KILLED"}
@@ -53,7 +53,7 @@ class MlflowSink:
         from mlflow.entities import Param
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-        params = [Param(k, str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in flatten(config).items()]
+        params = [Param(k, str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in flat_keys(config).items()]
         self.client.log_batch(self.run_id, params=params)
 
     def log(self, row: dict[str, Any]) -> None:
@@ -102,13 +102,3 @@ def experiment_id(client: Any, name: str) -> str:
             if found is None:
                 raise
     return found.experiment_id
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as MLflow params: `precision.recipe.hadamard` -> its value."""
-    if not isinstance(tree, dict) or not tree:
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out

@@ -26,6 +26,7 @@ from halfprec.components.data.batches import TrainBatches
 from halfprec.config import Config, saved
 from halfprec.errors import ConfigError, naming, show_value
 from halfprec.numerics.quantized import Recipe
+from halfprec.spec import flat_keys
 from halfprec.training import distributed
 from halfprec.training.build import Components
 from halfprec.training.metrics import LoopState
@@ -167,15 +168,6 @@ def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def schedule_horizon(config: dict) -> int:
     """The steps a saved config's lr schedule runs over (checkpoints from before sched.total_steps:
     trainer.max_steps)."""
@@ -206,7 +198,7 @@ def with_implied_keys(saved: dict) -> dict:
     factory, since only some take them): what a tool rebuilding its run reads."""
     implied = {k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if not k.startswith(("model.", "data."))}
     tree: dict[str, Any] = {}
-    for key, value in {**implied, **respelled(_flatten(saved))}.items():
+    for key, value in {**implied, **respelled(flat_keys(saved))}.items():
         *parents, leaf = key.split(".")
         node = tree
         for part in parents:
@@ -217,8 +209,8 @@ def with_implied_keys(saved: dict) -> dict:
 
 def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
-    new = _flatten(current)
-    old = {**{k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k in new}, **respelled(_flatten(saved))}
+    new = flat_keys(current)
+    old = {**{k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k in new}, **respelled(flat_keys(saved))}
     if "sched.total_steps" in new and "sched.total_steps" not in old:
         old["sched.total_steps"] = schedule_horizon(saved)
     other = [key for key in IDENTITY if old.get(key) != new.get(key)]
