@@ -139,13 +139,12 @@ def test_a_dataset_is_one_file_plus_a_yaml(fork):
 
 # A recipe switch: a field of numerics/quantized.py's Recipe (its type, doc and off value), what it
 # does there, and its line in conf/precision/fp32.yaml's recipe block. Here: the input-gradient GEMM
-# unquantized.
+# on fp32 operands (recipe.dgrad=high rounds them to the compute dtype first).
 SWITCH_FIELD = (
     '    weight_2d: Annotated[bool, Spec(doc="square weight blocks (nvfp4 16x16, fp8_block 128x128)")] = False\n',
-    '    high_dgrad: Annotated[bool, Spec(doc="the input-gradient GEMM unquantized")] = False\n',
+    '    fp32_dgrad: Annotated[bool, Spec(doc="the input-gradient GEMM on fp32 operands")] = False\n',
 )
-SWITCH_BEHAVIOUR = """            dyq = layer.quantize(dy, "grad_output", -1, gen, record=True)
-            dx = gemm(dyq, layer.quantize(weight, "weight", 0)).to(flat.dtype).reshape(ctx.shape)
+SWITCH_BEHAVIOUR = """            dx = gemm(dyq, wq).to(flat.dtype).reshape(ctx.shape)
 """
 SWITCH_YAML = "  scale_rule: floor "
 
@@ -160,7 +159,7 @@ def add_after(path: Path, anchor: str, text: str) -> None:
 def test_a_recipe_switch_is_a_field_and_a_yaml_line(fork):
     quantized = fork / "src" / "halfprec" / "numerics" / "quantized.py"
     add_after(quantized, SWITCH_FIELD[0], SWITCH_FIELD[1])
-    high = "            if layer.recipe.high_dgrad:\n"
+    high = "            if layer.recipe.fp32_dgrad:\n"
     high += "                dx = (dy.float() @ weight.float()).to(flat.dtype).reshape(ctx.shape)\n"
     high += "            else:\n" + "".join("    " + line + "\n" for line in SWITCH_BEHAVIOUR.splitlines())
     source = quantized.read_text()
@@ -168,19 +167,19 @@ def test_a_recipe_switch_is_a_field_and_a_yaml_line(fork):
     quantized.write_text(source.replace(SWITCH_BEHAVIOUR, high))
     yaml = fork / "conf" / "precision" / "fp32.yaml"
     line = next(line for line in yaml.read_text().splitlines() if line.startswith(SWITCH_YAML))
-    add_after(yaml, line + "\n", "  high_dgrad: false     # the input-gradient GEMM unquantized\n")
+    add_after(yaml, line + "\n", "  fp32_dgrad: false     # the input-gradient GEMM on fp32 operands\n")
 
     common = ["precision=mxfp4", "model.hidden=[64,64]", "trainer.val_every=0"]
     losses = []
     for on in ("false", "true"):
-        result = train(fork, *common, f"precision.recipe.high_dgrad={on}", f"hydra.run.dir=runs/switch_{on}")
+        result = train(fork, *common, f"precision.recipe.fp32_dgrad={on}", f"hydra.run.dir=runs/switch_{on}")
         assert result.returncode == 0, result.stderr[-3000:]
         losses.append(json.loads((fork / "runs" / f"switch_{on}" / "summary.json").read_text())["train/loss"])
-    assert losses[0] != losses[1]  # fc1's input gradient came through an unquantized GEMM
+    assert losses[0] != losses[1]  # fc1's input gradient came through an fp32 GEMM
     errors = {  # checked as every recipe key is, by the seam's converters as every switch is
-        "precision.recipe.high_dgrad=3": "error: precision.recipe.high_dgrad=3: ",
-        "precision=bf16 precision.recipe.high_dgrad=true": "applies to precision.format's layers; no layer",
-        "precision=fp8 precision.recipe.high_dgrad=true": "torchao's float8 kernel has no precision.recipe.high_dgrad",
+        "precision.recipe.fp32_dgrad=3": "error: precision.recipe.fp32_dgrad=3: ",
+        "precision=bf16 precision.recipe.fp32_dgrad=true": "applies to precision.format's layers; no layer",
+        "precision=fp8 precision.recipe.fp32_dgrad=true": "torchao's float8 kernel has no precision.recipe.fp32_dgrad",
     }
     for overrides, needle in errors.items():
         bad = train(fork, *common, *overrides.split(), "hydra.run.dir=runs/bad")

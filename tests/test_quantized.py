@@ -5,6 +5,7 @@ the recipe switches, the rules, and the CLI as a user runs it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,6 +91,61 @@ def test_each_gemm_quantizes_its_operands_along_the_dimension_it_contracts(fmt, 
         assert torch.equal(y.reshape(-1, 48), dequantized)
     else:
         torch.testing.assert_close(y.reshape(-1, 48), dequantized, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("high", ["forward", "dgrad", "wgrad"])
+def test_a_high_gemm_multiplies_the_operands_as_they_are_the_others_as_the_format_does(high):
+    """recipe.<gemm>=high: that GEMM multiplies its operands unquantized (here fp32: no autocast),
+    the layer's other two GEMMs compute exactly as in a layer with every GEMM quantized."""
+    fmt, recipe = "nvfp4", Recipe(weight_2d=True)
+    layer, x, w, dy, y, dx = layer_and_grads(fmt, replace(recipe, **{high: "high"}))
+    ref, _, _, _, y_ref, dx_ref = layer_and_grads(fmt, recipe)
+    plain = {"forward": x @ w.T + layer.bias.detach(), "dgrad": dy @ w, "wgrad": dy.T @ x}
+    got = {"forward": y.reshape(-1, 48), "dgrad": dx.reshape(-1, 32), "wgrad": layer.weight.grad}
+    quantized_ = {"forward": y_ref.reshape(-1, 48), "dgrad": dx_ref.reshape(-1, 32), "wgrad": ref.weight.grad}
+    for gemm in got:
+        assert torch.equal(got[gemm], plain[gemm] if gemm == high else quantized_[gemm]), gemm
+    assert quantized.gemm_label(layer.gemms) == "-".join("high" if g == high else fmt for g in got)
+
+
+def test_a_gemm_in_another_format_takes_both_operands_in_it_and_grad_format_stays_with_the_layers():
+    """fp8_e4m3 layers with e5m2 gradients and recipe.dgrad=mxfp8: the input-gradient GEMM takes dy
+    and W in mxfp8; the weight-gradient GEMM keeps the layer's format, its dy in e5m2."""
+    recipe = Recipe(grad_format="fp8_e5m2", dgrad="mxfp8")
+    layer, x, w, dy, y, dx = layer_and_grads("fp8_e4m3", recipe)
+    assert torch.equal(dx.reshape(-1, 32), fq(dy, "mxfp8", -1) @ fq(w, "mxfp8", 0))
+    (vdy0, fdy0), (vx0, fx0) = sq(dy, "fp8_e5m2", 0), sq(x, "fp8_e4m3", 0)
+    assert torch.equal(layer.weight.grad, (vdy0.T @ vx0) * (fdy0.t() * fx0))
+    assert quantized.gemm_label(layer.gemms) == "fp8_e4m3-mxfp8-fp8_e4m3"
+
+
+def test_a_high_forward_under_bf16_autocast_multiplies_bf16_operands_with_fp32_sums():
+    """As an unquantized layer's GEMM in bf16 autocast: operands rounded to bf16, products summed in
+    fp32, the output rounded to bf16."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48, bias=False)
+    layer = QuantizedLinear.from_linear(linear, "mxfp4", Recipe(forward="high"), seed=7)
+    x = torch.randn(6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    expected = (x.bfloat16().float() @ linear.weight.detach().bfloat16().float().T).bfloat16()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+
+
+def test_statistics_are_kept_where_each_operand_is_first_quantized():
+    """With the forward high, the weight's statistics come from the input-gradient GEMM and the
+    input's from the weight-gradient GEMM; an operand no GEMM quantizes has none."""
+    torch.manual_seed(0)
+    for recipe, kept in [(Recipe(forward="high"), {"input", "weight", "grad_output"}),
+                         (Recipe(forward="high", dgrad="high"), {"input", "grad_output"}),
+                         (Recipe(dgrad="high", wgrad="high"), {"input", "weight"})]:  # fmt: skip
+        layer = QuantizedLinear.from_linear(nn.Linear(32, 48), "mxfp4", recipe, seed=7)
+        layer.stats = {}
+        x = torch.randn(6, 32, requires_grad=True)
+        layer(x).square().sum().backward()
+        assert set(layer.stats) & set(quantized.OPERANDS) == kept, recipe
+        noise = {"wgrad_exact", "wgrad_noise"}  # the gradient-to-noise ratio's sums, where dW is quantized
+        assert (noise <= set(layer.stats)) == (recipe.wgrad != "high"), recipe
 
 
 def chunked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -260,6 +316,19 @@ def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
             ["precision=mxfp4", "precision.recipe.scale_rule=up"],
             "precision.recipe.scale_rule=up: must be floor or rceil",
         ),
+        (["precision=mxfp4", "precision.recipe.wgrad=fp16"], r"recipe.wgrad=fp16: null \(the layer's format\), high,"),
+        (["precision=bf16", "precision.recipe.wgrad=high"], "recipe.wgrad=high: applies to precision.format.s layers"),
+        (["precision=fp8", "precision.recipe.wgrad=high"], "float8 kernel has no precision.recipe.wgrad"),
+        (
+            [
+                "precision=mxfp4",
+                "precision.recipe.scale_rule=rceil",
+                "precision.recipe.forward=nvfp4",
+                "precision.recipe.dgrad=nvfp4",
+                "precision.recipe.wgrad=high",
+            ],
+            r"scale_rule=rceil: is for formats with E8M0 scales",
+        ),
     ],
 )
 def test_format_config_errors_name_the_key(overrides, message):
@@ -335,7 +404,7 @@ def test_quantization_statistics_by_hand():
     sq_err, sq_norm, count, nonzero, under, saturated = layer.stats["input"].tolist()
     assert (count, nonzero, under, saturated) == (32, 32, 1, 1)
     assert sq_err == pytest.approx(1 + 0.2**2) and sq_norm == pytest.approx(49 + 0.2**2 + 30)
-    assert set(layer.stats) == {"input", "weight", "grad_output"}
+    assert set(layer.stats) == {"input", "weight", "grad_output", "wgrad_exact", "wgrad_noise"}  # and dW's noise
 
 
 def test_diagnostics_log_where_the_bits_go(tmp_path):

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from halfprec.config.schema import Config, Precision
+from halfprec.config.schema import Config, Phase, Precision
 from halfprec.errors import ConfigError
 from halfprec.machine import cpu_flags, launcher, native_bf16
 
@@ -60,7 +60,7 @@ def master_kind(p: DictConfig) -> str:
 
 def quantizes(p: DictConfig) -> bool:
     """Whether any layer is quantized: a format, or a rule naming one."""
-    return bool(p.format or any(r.format != "high" for r in p.rules))
+    return bool(p.format or any(r.format != "high" for r in p.rules) or any(s.format != "high" for s in p.schedule))
 
 
 def check_layer_formats(p: DictConfig) -> None:
@@ -93,9 +93,17 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
         value = p.format if key == "format" else p.recipe.grad_format
         if value is not None and value not in formats:
             raise ConfigError(f"precision.{key}", value, f"no such number format; they are {names}")
+    for gemm in ("forward", "dgrad", "wgrad"):
+        value = p.recipe[gemm]
+        if value is not None and value not in ("high", *formats):
+            raise ConfigError(f"precision.recipe.{gemm}", value, f"null (the layer's format), high, or a format "
+                              f"({names})")  # fmt: skip
     for i, rule in enumerate(p.rules):
         if rule.format not in ("high", *formats):
             raise ConfigError(f"precision.rules[{i}].format", rule.format, f"a format ({names}) or high")
+    for i, phase in enumerate(p.schedule):
+        if phase.format not in ("high", *formats):
+            raise ConfigError(f"precision.schedule[{i}].format", phase.format, f"a format ({names}) or high")
     CONVERTERS[p.kernel].check_config(p)
 
 
@@ -140,6 +148,22 @@ def slow_on_cpu(p: Precision) -> str | None:
         return (f"precision={p.name} computes in bf16 and this CPU has no bf16 units (AVX512-BF16, AMX): torch "
                 f"emulates it, about 10x slower than fp32: {advice}")  # fmt: skip
     return None
+
+
+def check_schedule(p: DictConfig, every: int, max_steps: int) -> None:
+    """precision.schedule's phases begin in the order listed (numerics/schedule.py): a phase set to begin
+    before the one listed above it is an error, not a silent wait; a trigger reads diagnostics rows."""
+    last = 0
+    for i, node in enumerate(p.schedule):
+        key, phase = f"precision.schedule[{i}]", Phase(**node)
+        if phase.when is not None and every == 0:
+            raise ConfigError(f"{key}.when", phase.when, "reads the diagnostics rows: add diagnostics=grads")
+        start = phase.start(max_steps)
+        if start is not None and start < last:
+            raise ConfigError(f"{key}.from_{'step' if phase.from_step else 'fraction'}", phase.from_step or
+                              phase.from_fraction, f"begins at step {start}, before the phase above it (step {last}): "
+                              "phases begin in the order listed")  # fmt: skip
+        last = max(last, start or 0)
 
 
 def check_diagnostics(d: DictConfig) -> None:

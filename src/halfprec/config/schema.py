@@ -5,7 +5,8 @@ schema from the chosen component's own annotated arguments; optim from the optim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from halfprec.spec import Choice, Spec
@@ -56,6 +57,7 @@ class Precision:
     rules: Annotated[list[Any], Spec(doc="[{match: <glob on module names>, format: <format> | high}, ...]")]
     high_first: Annotated[int, Spec(low=0, doc="the first N transformer blocks stay high")]
     high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
+    schedule: Annotated[list[Any], Spec(doc="phases changing GEMMs' formats over the run (numerics/schedule.py)")]
     # a converter of halfprec/numerics/converters
     kernel: Annotated[Literal["emulated", "native"], Spec(doc="how quantized layers compute (numerics/converters)")]
     quantizer: Annotated[
@@ -68,6 +70,32 @@ class Precision:
 class QuantRule:
     match: Annotated[str, Spec(nonempty=True, doc="a glob on module names, e.g. 'blocks.3.*'")]
     format: Annotated[str, Spec(doc="a number format of halfprec/numerics/formats, or high")]
+
+
+@dataclass
+class Phase:
+    """One entry of precision.schedule (numerics/schedule.py): when it begins (one of from_step,
+    from_fraction, when), and what it changes."""
+
+    format: Annotated[str, Spec(doc="what the GEMMs compute in from then on: a format, or high")]
+    gemms: Annotated[
+        list[Literal["forward", "dgrad", "wgrad"]], Spec(nonempty=True, doc="the GEMMs it changes (default: all three)")
+    ] = field(default_factory=lambda: ["forward", "dgrad", "wgrad"])
+    match: Annotated[str | None, Spec(nonempty=True, doc="a glob on module names; null = the quantized layers")] = None
+    from_step: Annotated[int | None, Spec(low=1, doc="the step it begins at")] = None
+    from_fraction: Annotated[
+        float | None, Spec(above=0, below=1, doc="begins after this share of trainer.max_steps (0.9: the last 10%)")
+    ] = None
+    when: Annotated[
+        Literal["grad_noise_below_sqrt3"] | None,
+        Spec(doc="a trigger: begins the step after a diagnostics step where diag/grad_noise < sqrt(3)"),
+    ] = None
+
+    def start(self, max_steps: int) -> int | None:
+        """The step it is set to begin at (0.9 of 400 steps: 361); None: a trigger's, when it fires."""
+        if self.from_fraction is not None:
+            return math.floor(self.from_fraction * max_steps) + 1
+        return self.from_step
 
 
 @dataclass

@@ -50,11 +50,12 @@ def choice_of(group: str, node: dict[str, Any]) -> Choice:
 
 def precision_of(node: dict[str, Any]) -> schema.Precision:
     """precision.*'s keys as the typed Precision: its recipe a numerics/quantized.Recipe, its rules
-    QuantRules."""
+    QuantRules, its schedule Phases."""
     from halfprec.numerics.quantized import Recipe  # imports torch, as a run does anyway
 
     rules = [schema.QuantRule(**rule) for rule in node["rules"]]
-    return schema.Precision(**{**node, "recipe": Recipe(**node["recipe"]), "rules": rules})
+    schedule = [schema.Phase(**phase) for phase in node["schedule"]]
+    return schema.Precision(**{**node, "recipe": Recipe(**node["recipe"]), "rules": rules, "schedule": schedule})
 
 
 def objective_of(cfg: DictConfig) -> tuple[str, str | None]:

@@ -45,6 +45,7 @@ def validate(cfg: DictConfig) -> None:
     rules.check_scaler(cfg.scaler)
     rules.check_launch(cfg.trainer.distributed)
     rules.check_diagnostics(cfg.diagnostics)
+    rules.check_schedule(cfg.precision, cfg.diagnostics.every, cfg.trainer.max_steps)
     # the components come last: their schemas are the arguments of registered factories, which
     # imports torch; every error above answers without it (~1.5 s sooner)
     validate_components(cfg)
@@ -71,6 +72,15 @@ def check_quantization(p: DictConfig) -> None:
         if not isinstance(rule, DictConfig) or set(rule) != {"match", "format"}:
             raise ConfigError(key, rule, "a rule is {match: <glob on module names>, format: <format> | high}")
         check_node(rule, schema.QuantRule, key, "a rule")
+    for i, phase in enumerate(p.schedule):
+        key = f"precision.schedule[{i}]"
+        check_node(phase, schema.Phase, key, "a phase")
+        starts = [k for k in ("from_step", "from_fraction", "when") if phase.get(k) is not None]
+        if "format" not in phase or len(starts) != 1:
+            raise ConfigError(
+                key, phase, "a phase is {format: <format> | high, and one of from_step: <step>, from_fraction: "
+                "<0..1>, when: grad_noise_below_sqrt3; gemms: [forward, dgrad, wgrad], match: <glob> optional}",
+            )  # fmt: skip
 
 
 def check_variant(node: DictConfig, group: str, key: str, variants: dict[str, type]) -> None:

@@ -20,9 +20,7 @@ from torch import nn
 
 from halfprec.errors import ConfigError
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.quantized import Recipe
-
-HIGH = "high"  # a layer left as it was: it computes in the run's autocast or parameter dtype
+from halfprec.numerics.quantized import HIGH, Recipe
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,7 @@ def recipe_reach(formats: Sequence[str], recipe: Recipe) -> list[str]:
         value = getattr(recipe, switch)
         if value == off:
             continue
-        reached = [f for f in formats if uses(f, recipe.grad_format or f)]
+        reached = [f for f in formats if any(uses(g, recipe.grad_format or g) for g in gemm_formats(f, recipe))]
         missed = [f for f in formats if f not in reached]
         if not reached:
             raise ConfigError(
@@ -157,7 +155,16 @@ def recipe_reach(formats: Sequence[str], recipe: Recipe) -> list[str]:
         if missed:
             lines.append(f"recipe: {switch} applies to the {', '.join(reached)} layers, not to {', '.join(missed)}: "
                          f"no {needs}")  # fmt: skip
+    unused = {"hadamard": ("wgrad",), "stochastic_grads": ("dgrad", "wgrad")}  # the GEMMs each switch acts in
+    for switch, gemms in unused.items():
+        if getattr(recipe, switch) and all(getattr(recipe, g) == HIGH for g in gemms):
+            lines.append(f"recipe: {switch} does nothing: the GEMMs it acts in ({', '.join(gemms)}) are high")
     return lines
+
+
+def gemm_formats(fmt: str, recipe: Recipe) -> list[str]:
+    """The formats a layer in `fmt` computes its GEMMs in (the recipe may give one GEMM another format)."""
+    return [f for f in dict.fromkeys(recipe.gemms(fmt).values()) if f != HIGH]
 
 
 def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
@@ -173,4 +180,6 @@ def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
         names = by_format[fmt]
         listed = ", ".join(names[:shown]) + (f", +{len(names) - shown} more" if len(names) > shown else "")
         lines.append(f"{'layers:' if i == 0 else '':8}{fmt:{width}}  {len(names):3d}  {listed}")
+    if any("-" in fmt for fmt in order):
+        lines.append(f"{'':8}(a-b-c: the formats of the forward, input-gradient and weight-gradient GEMMs)")
     return lines

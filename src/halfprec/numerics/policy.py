@@ -14,6 +14,8 @@ from torch import nn
 from halfprec.errors import PrecisionMismatch
 from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
 from halfprec.numerics.layers import HIGH, nothing_to_quantize, plan_layers
+from halfprec.numerics.quantized import gemm_label
+from halfprec.numerics.schedule import PrecisionSchedule, build_schedule
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,8 +45,10 @@ class PrecisionPolicy:
     device_type: str
     reduce_dtype: torch.dtype  # trainer=fsdp: dtype gradients are reduce-scattered in
     quantizer: str  # emulated layers' quantizers: eager | compiled (precision.quantizer, resolved)
-    layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its format or high, once swapped
+    steps: int | None = None  # trainer.max_steps: where a schedule's fractions fall (None: a tool's few steps)
+    layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its formats (gemm_label) or high
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
+    schedule: PrecisionSchedule | None = None  # precision.schedule's phases over the swapped layers
 
     @classmethod
     def from_config(cls, p: Any, device_type: str, steps: int | None = None) -> PrecisionPolicy:
@@ -61,6 +65,7 @@ class PrecisionPolicy:
             device_type=device_type,
             reduce_dtype=DTYPES[p.reduce_dtype],
             quantizer=quantizer_for(p.quantizer, device_type, steps),
+            steps=steps,
         )
 
     @property
@@ -111,21 +116,34 @@ class PrecisionPolicy:
         return kept
 
     def quantize_layers(self, model: nn.Module, seed: int = 0, rank: int = 0) -> dict[str, str]:
-        """Swap the Linear layers the plan gives a format (numerics/layers.py) for the quantized ones of
-        the converter precision.kernel names (numerics/converters), before any wrapping (DDP, FSDP2,
-        torch.compile). Return the plan: each Linear's format or high."""
+        """Swap the Linear layers the plan gives a format (numerics/layers.py), or a precision.schedule
+        phase does, for the quantized ones of the converter precision.kernel names (numerics/
+        converters), before any wrapping (DDP, FSDP2, torch.compile). Return the plan: each Linear's
+        format or high."""
         p = self.config
-        if not (p.format or any(r.format != HIGH for r in p.rules)):
+        if not (p.format or any(r.format != HIGH for r in p.rules) or p.schedule):
             return {}
         converter = CONVERTERS[p.kernel]
         plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, converter.fits)
-        if all(f == HIGH for f in plan.values()):
+        if all(f == HIGH for f in plan.values()) and not p.schedule:
             first, last, unfit = p.high_first, p.high_last, converter.unfit
             raise nothing_to_quantize(model, p.format, p.rules, first, last, converter.fits, unfit, p.name)
         how = Conversion(p.recipe, seed, rank, self.device_type, self.quantizer, p.fp8_emulate)
-        self.notes = converter.convert(model, plan, how)
-        self.layers = plan
-        return plan
+        converted = plan
+        if p.schedule:
+            converted, self.schedule = build_schedule(plan, p.schedule, p.recipe, self.steps or 0)
+        self.notes = converter.convert(model, converted, how)
+        self.layers = {name: HIGH if f == HIGH else gemm_label(p.recipe.gemms(f)) for name, f in plan.items()}
+        if self.schedule is not None:
+            self.enter_phase(model, 0)
+        return converted
+
+    def enter_phase(self, model: nn.Module, phase: int) -> None:
+        """The schedule's formats once `phase` phases have begun, in the layers and in the plan the
+        first-step check and the switch rows compare them with."""
+        assert self.schedule is not None
+        self.schedule.apply(model, phase)
+        self.layers |= self.schedule.labels(phase)
 
     def check(self, model: nn.Module, observed: set[torch.dtype], master: list[torch.Tensor]) -> dict:
         """Compare what the first step really did against the policy; raise on a mismatch."""

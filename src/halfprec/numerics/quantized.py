@@ -36,9 +36,14 @@ from halfprec.numerics.formats.hadamard import random_hadamard, rotate
 from halfprec.spec import Spec
 
 OPERANDS = ("input", "weight", "grad_output")  # the operands quantization statistics are kept for
+GEMMS = ("forward", "dgrad", "wgrad")  # y = x W^T, dx = dy W, dW = dy^T x
+HIGH = "high"  # not quantized: a layer, or one of its GEMMs, computes in the run's autocast or parameter dtype
 HADAMARD_SIZE = 16
 # a 64-bit odd constant (2^64 / golden ratio): seeds of successive backward passes far apart
 SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+GEMM_DOC = "the {}: null = the layer's format; high = unquantized; or a format for both its operands"
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class Recipe:
     hadamard: Annotated[bool, Spec(doc="a random 16x16 Hadamard transform of both weight-gradient operands")] = False
     weight_2d: Annotated[bool, Spec(doc="square weight blocks (nvfp4 16x16, fp8_block 128x128)")] = False
     scale_rule: Annotated[Literal["floor", "rceil"], Spec(doc="the MX formats' E8M0 scale")] = "floor"
+    forward: Annotated[str | None, Spec(doc=GEMM_DOC.format("forward GEMM, y = x W^T"))] = None
+    dgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("input-gradient GEMM, dx = dy W"))] = None
+    wgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("weight-gradient GEMM, dW = dy^T x"))] = None
 
     def for_format(self, fmt: str) -> Recipe:
         """The recipe a layer in `fmt` follows: square weight blocks only where the format has them
@@ -64,6 +72,17 @@ class Recipe:
         a rule sending the attention to mxfp8). The E8M0 rule needs no such care: `quantize` applies
         it to the operands whose format has E8M0 scales."""
         return replace(self, weight_2d=False) if self.weight_2d and FORMATS[fmt].tile is None else self
+
+    def gemms(self, fmt: str) -> dict[str, str]:
+        """What each GEMM of a layer in `fmt` computes in: its format, or high."""
+        return {g: getattr(self, g) or fmt for g in GEMMS}
+
+
+def gemm_label(gemms: dict[str, str]) -> str:
+    """A layer's formats in one word for the logs: the format when its three GEMMs share one, else
+    forward-dgrad-wgrad (nvfp4-high-high: the forward alone quantized)."""
+    formats = [gemms[g] for g in GEMMS]
+    return formats[0] if len(set(formats)) == 1 else "-".join(formats)
 
 
 # Recipe's on/off switches: what a precision option turns on, and what a kernel or tool may lack
@@ -82,7 +101,8 @@ class QuantizedLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.format, self.recipe, self.seed = fmt, recipe, seed
         self.compiled = compiled  # the quantizer through torch.compile (formats.compiled_quantizer)
-        self.grad_format = recipe.grad_format or fmt
+        # each GEMM's format or high: the recipe's, then what a precision schedule's phase sets
+        self.gemms = recipe.gemms(fmt)
         self.backward_passes = 0
         self.stats: dict[str, torch.Tensor] | None = None
         self.hadamard_matrix: torch.Tensor | None = None
@@ -101,7 +121,8 @@ class QuantizedLinear(nn.Linear):
         return QuantizedMatmul.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, format={self.format}, grad_format={self.grad_format}"
+        gemms = ", ".join(f"{g}={self.gemms[g]}" for g in GEMMS)
+        return f"{super().extra_repr()}, format={self.format}, {gemms}, grad_format={self.recipe.grad_format}"
 
     def get_extra_state(self) -> dict:
         return {"backward_passes": self.backward_passes}
@@ -109,14 +130,26 @@ class QuantizedLinear(nn.Linear):
     def set_extra_state(self, state: dict) -> None:
         self.backward_passes = int(state["backward_passes"])
 
-    def quantize(self, t: torch.Tensor, operand: str, axis: int, generator: torch.Generator | None = None,
-                 record: bool = False) -> Operand:  # fmt: skip
-        """`t` (an `operand` of OPERANDS) blocked along `axis` in the layer's format for it, in fp32,
-        its outer scale split off for the GEMM's output (Format.factor); `record`: add its
-        statistics to `stats` when they are kept."""
-        name = self.grad_format if operand == "grad_output" else self.format
-        rule = self.recipe.scale_rule if FORMATS[name].scale == "e8m0" else "floor"
-        tile = self.recipe.weight_2d and operand == "weight"
+    def operand_format(self, gemm: str, operand: str) -> str:
+        """The format `operand` takes in `gemm`: the GEMM's; the gradient, where the GEMM keeps the
+        layer's format, in the recipe's grad_format if it names one (fp8's e5m2 gradients)."""
+        name = self.gemms[gemm]
+        if operand == "grad_output" and name == self.format and self.recipe.grad_format:
+            return self.recipe.grad_format
+        return name
+
+    def quantize(self, t: torch.Tensor, operand: str, axis: int, gemm: str, high: torch.dtype,
+                 generator: torch.Generator | None = None, record: bool = False) -> Operand:  # fmt: skip
+        """`t` (an `operand` of OPERANDS) as `gemm` takes it: blocked along `axis` in its format, in
+        fp32, its outer scale split off for the GEMM's output (Format.factor), or, where the GEMM is
+        high, rounded to `high` (the run's compute dtype) as an unquantized layer's GEMM takes it;
+        `record`: add its statistics to `stats` when they are kept."""
+        name = self.operand_format(gemm, operand)
+        if name == HIGH:
+            return Operand(t.to(high).float(), None, high == torch.bfloat16)
+        fmt = FORMATS[name]
+        rule = self.recipe.scale_rule if fmt.scale == "e8m0" else "floor"
+        tile = self.recipe.weight_2d and operand == "weight" and fmt.tile is not None
         rounding = "nearest" if generator is None else "stochastic"
         counting = record and self.stats is not None
         if counting:  # the statistics compare in fp32; the quantizer reads a bf16 operand as it is
@@ -124,7 +157,6 @@ class QuantizedLinear(nn.Linear):
         q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=True)
         if counting:
             self.record(operand, t, q.values if q.factor is None else q.values * q.factor, q.saturated)
-        fmt = FORMATS[name]
         block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
         return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
 
@@ -139,6 +171,18 @@ class QuantizedLinear(nn.Linear):
         assert self.stats is not None
         self.stats[operand] = sums + self.stats.get(operand, 0)
 
+    @torch.no_grad()
+    def record_noise(self, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """On diagnostics steps, the weight gradient's quantization noise: sums over the step's
+        micro-batches of the exact dW = dy^T x (fp32 operands as they came, no rotation: a Hadamard
+        transform is orthogonal) and of the quantized GEMM's difference from it, for the
+        gradient-to-noise ratio (training/diagnostics.py)."""
+        if self.stats is None or self.gemms["wgrad"] == HIGH:
+            return
+        exact = dy.float().T @ x.float()
+        for key, value in (("wgrad_exact", exact), ("wgrad_noise", dw - exact)):
+            self.stats[key] = value + self.stats[key] if key in self.stats else value
+
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The generator of this backward pass's stochastic rounding (None: rounded to nearest)."""
         if not self.recipe.stochastic_grads:
@@ -152,7 +196,7 @@ class QuantizedLinear(nn.Linear):
         """dy and x for dW = dy^T x; with the recipe's Hadamard transform, both rotated along the
         tokens by the same orthogonal 16x16 matrix (tokens padded with zeros to a multiple of 16:
         zero rows add nothing to dy^T x, rotated or not)."""
-        if not self.recipe.hadamard:
+        if not self.recipe.hadamard or self.gemms["wgrad"] == HIGH:
             return dy, x
         dy = dy.float()  # rotated in fp32, and kept so
         pad = -dy.shape[0] % HADAMARD_SIZE
@@ -173,13 +217,14 @@ class QuantizedMatmul(torch.autograd.Function):
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         flat = x.reshape(-1, x.shape[-1])
         with torch.autocast(device, enabled=False):  # the product of the quantized values, in fp32
-            xq, wq = layer.quantize(flat, "input", -1, record=True), layer.quantize(weight, "weight", -1, record=True)
-            y = gemm(xq, wq.t())
+            xq = layer.quantize(flat, "input", -1, "forward", out_dtype, record=True)
+            y = gemm(xq, layer.quantize(weight, "weight", -1, "forward", out_dtype, record=True).t())
             if bias is not None:
                 y = y + bias.float()
         # the operands as they came: the backward GEMMs block them along other axes
         ctx.save_for_backward(flat, weight)
         ctx.layer, ctx.shape, ctx.bias_dtype = layer, x.shape, None if bias is None else bias.dtype
+        ctx.high = out_dtype  # what a high GEMM's operands are rounded to
         return y.to(out_dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod
@@ -189,14 +234,18 @@ class QuantizedMatmul(torch.autograd.Function):
         dy = grad.reshape(-1, grad.shape[-1])  # as it came: the quantizer reads it in its dtype
         gen = layer.generator(dy.device)
         dx = dw = db = None
+        # statistics: each operand where first quantized (the forward's, unless it is high)
+        forward_high, recorded_dy = layer.gemms["forward"] == HIGH, False
         if ctx.needs_input_grad[0]:
-            dyq = layer.quantize(dy, "grad_output", -1, gen, record=True)
-            dx = gemm(dyq, layer.quantize(weight, "weight", 0)).to(flat.dtype).reshape(ctx.shape)
+            dyq = layer.quantize(dy, "grad_output", -1, "dgrad", ctx.high, gen, record=True)
+            wq = layer.quantize(weight, "weight", 0, "dgrad", ctx.high, record=forward_high)
+            dx = gemm(dyq, wq).to(flat.dtype).reshape(ctx.shape)
+            recorded_dy = layer.gemms["dgrad"] != HIGH
         if ctx.needs_input_grad[1]:
             g, x = layer.weight_grad_operands(dy, flat)
-            first = not ctx.needs_input_grad[0]  # the layer's statistics of dy, if dx took none
-            dyq = layer.quantize(g, "grad_output", 0, gen, record=first)
-            dw = gemm(dyq.t(), layer.quantize(x, "input", 0))
+            dyq = layer.quantize(g, "grad_output", 0, "wgrad", ctx.high, gen, record=not recorded_dy)
+            dw = gemm(dyq.t(), layer.quantize(x, "input", 0, "wgrad", ctx.high, record=forward_high))
+            layer.record_noise(dw, dy, flat)
             dw = dw.to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel

@@ -51,6 +51,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     # each recipe switch off, as its dataclass's default says
     **{f"precision.recipe.{f.name}": f.default for f in fields(Recipe)},
     "precision.rules": [],
+    "precision.schedule": [],
     "precision.high_first": 0,
     "precision.high_last": 0,
     "precision.master": None,
@@ -258,6 +259,8 @@ def checkpoint_state(
         "config": saved(cfg),
         "loggers": tracker.state(),  # each logger's own (W&B's run id, MLflow's): a resume continues them
         "world_size": c.world.size,
+        # the steps precision.schedule's phases began (a trigger's cannot be recomputed from the step)
+        "precision_schedule": None if c.policy.schedule is None else c.policy.schedule.state_dict(),
     }
 
 
@@ -286,6 +289,9 @@ def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
     batches.load_state_dict(ckpt["data"])
     set_rng_state(ckpt["rng"])
     loop = LoopState(**ckpt["loop"])
+    if c.policy.schedule is not None:  # the layers as the phases begun by the checkpoint's step left them
+        c.policy.schedule.load_state_dict(ckpt["precision_schedule"])
+        c.policy.enter_phase(c.model, c.policy.schedule.phase_at(loop.step))
     sums = ckpt.get("rank_loss_sums")  # each rank's own part of the logging window, at the same world size
     if sums is not None and len(sums) == c.world.size:
         loop.clean_loss_sum = sums[c.world.rank]

@@ -176,8 +176,12 @@ class Diagnostics:
         keys = [(layer, op) for layer, stats in quant.items() for op in OPERANDS if op in stats]
         if not keys:
             return {}
-        sums = torch.stack([quant[layer][op] for layer, op in keys]).cpu().tolist()  # the one host read
-        row: dict = {}
+        noisy = [layer for layer, stats in quant.items() if "wgrad_noise" in stats]
+        norms = [torch.stack([quant[n]["wgrad_exact"].square().sum(), quant[n]["wgrad_noise"].square().sum()])
+                 for n in noisy]  # fmt: skip
+        flat = torch.cat([torch.stack([quant[layer][op] for layer, op in keys]).flatten(), *norms]).cpu().tolist()
+        sums = [flat[i : i + 6] for i in range(0, 6 * len(keys), 6)]  # the one host read, split
+        row = grad_noise_row(noisy, flat[6 * len(keys) :])
         for (layer, op), (sq_err, sq_norm, count, nonzero, under, sat) in zip(keys, sums):
             row[f"quant/{layer}/{op}/rel_err"] = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
             row[f"quant/{layer}/{op}/underflow"] = under / nonzero if nonzero else 0.0
@@ -217,6 +221,23 @@ class Diagnostics:
         layer = layer_of(culprit)
         kind = type(self.model.get_submodule(layer)).__name__ if layer != culprit else "parameter"
         return f"{layer} ({kind})"
+
+
+def grad_noise_row(layers: list[str], squares: list[float]) -> dict:
+    """The gradient-to-noise ratio of "FP4 All the Way" (Chmiel et al. 2025, section 4), ||dW|| /
+    ||noise||, from each layer's squared norms [exact dW, its quantization noise] in pairs: per
+    layer (grad_noise/<layer>) and over the model's quantized weight gradients (diag/grad_noise).
+    The paper's is ||grad L|| / (sigma_q sqrt(d)); sigma_q sqrt(d) is the noise's expected norm, of
+    which this step's noise norm is a one-sample estimate. Quantized training stops helping below about
+    sqrt(3) (precision.schedule's grad_noise_below_sqrt3 trigger)."""
+    row: dict = {}
+    grads, noises = squares[0::2], squares[1::2]
+    for layer, grad, noise in zip(layers, grads, noises):
+        if noise > 0:  # none: nothing this step rounded (a zero gradient)
+            row[f"grad_noise/{layer}"] = math.sqrt(grad / noise)
+    if layers and sum(noises) > 0:
+        row["diag/grad_noise"] = math.sqrt(sum(grads) / sum(noises))
+    return row
 
 
 def _fractions(kind: str, layers: list[str], counts: torch.Tensor) -> dict:

@@ -17,6 +17,7 @@ from halfprec.numerics.params import ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES, observe_compute_dtypes
 from halfprec.training.build import Components
 from halfprec.training.diagnostics import Diagnostics
+from halfprec.training.distributed import any_rank
 from halfprec.training.step import StepResult
 
 
@@ -33,6 +34,7 @@ class Probe:
     # that compiles its update (torchao's low-bit AdamW) cannot run under a dispatch mode
     compute: contextlib.AbstractContextManager | None = None
     seen: set[torch.dtype] = field(default_factory=set)
+    switched: bool = False  # a precision.schedule phase began at this step
 
 
 class StepProbes:
@@ -42,6 +44,7 @@ class StepProbes:
         self.count_flops = cfg.trainer.count_flops
         self.diag = Diagnostics(cfg.diagnostics, c.model, c.params)
         self.step_flops = 0  # this rank's forward + backward FLOPs per optimizer step, counted on the first step
+        self.schedule = c.policy.schedule
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[Probe]:
@@ -59,6 +62,9 @@ class StepProbes:
         hooked = first or injected is not None or acts is not None or due
         net = c.compiled if c.compiled is not None and not hooked else None
         probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale, counter)
+        if self.schedule is not None and self.schedule.advance(step):
+            c.policy.enter_phase(c.model, self.schedule.phase_at(step))
+            probe.switched = True
         try:
             with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant:
                 yield probe
@@ -78,6 +84,8 @@ class StepProbes:
                 row.update(dtypes)
         if probe.inspect is not None:
             row.update(diag.collect())
+        if self.schedule is not None:
+            row.update(self.phase_row(probe, row))
         if result.skipped and diag.skips:  # the loss is read back only on skipped steps
             source = diag.skip_source(result.loss, result.culprit)
             row["diag/skip_source"] = source
@@ -89,6 +97,25 @@ class StepProbes:
                     flush=True,
                 )
         return row
+
+    def phase_row(self, probe: Probe, row: dict) -> dict:
+        """precision.schedule: at step 1 and where a phase begins, the phase and the layer counts (the
+        first-step check's, which also checks each layer computes as the phase says), printed; on a
+        diagnostics step, whether the trigger the next phase waits for holds (then it begins next step)."""
+        c, schedule, step = self.c, self.schedule, probe.step
+        assert schedule is not None
+        pending = schedule.pending_trigger()
+        if pending is not None and pending[0] in row:  # every rank decides alike: the ranks' rows differ
+            key, threshold = pending
+            if any_rank(torch.tensor(float(row[key] < threshold), device=c.device)):
+                schedule.fire(step)
+        if not (probe.switched or step == 1):
+            return {}
+        phase = schedule.phase_at(step)
+        if probe.switched and c.world.is_main:
+            for i in range(schedule.phase_at(step - 1), phase):
+                print(f"step {step}: {schedule.describe(i)}", file=sys.stderr, flush=True)
+        return {"precision/phase": phase, **c.policy.check_layers(c.model)}
 
 
 def count_flops() -> contextlib.AbstractContextManager:

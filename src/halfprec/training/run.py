@@ -126,7 +126,8 @@ def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, 
     format (if any is quantized) and which recipe switches they follow, the optimizer's values, and
     where it continues from; then the settings that work but rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
-    for line in [optimizer_line(cfg.optim), *layer_table(policy.layers), *policy.notes]:
+    phases = [] if policy.schedule is None else policy.schedule.lines()
+    for line in [optimizer_line(cfg.optim), *layer_table(policy.layers), *phases, *policy.notes]:
         print(line, file=sys.stderr)
     for line in config_warnings(cfg, policy.device_type):
         print(f"warning: {line}", file=sys.stderr)

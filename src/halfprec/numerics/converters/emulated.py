@@ -10,7 +10,7 @@ from torch import nn
 from halfprec.numerics.converters import Conversion, Converter, register_converter
 from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.layers import HIGH, layer_seed, recipe_reach
-from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_note
+from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_label, gemm_note
 
 COMPILED_NOTE = (
     "quantizers: compiled (precision.quantizer), one or two fused kernels each; the first steps compile each "
@@ -25,7 +25,8 @@ class EmulatedConverter(Converter):
     def check_config(self, p: Any) -> None:
         """Every format and switch; a partial switch none of the formats named can use is an error
         (recipe_reach; which formats one misses is said at start, once the plan is known)."""
-        named = [f for f in dict.fromkeys([p.format, *(r.format for r in p.rules)]) if f in FORMATS]
+        listed = [p.format, *(r.format for r in p.rules), *(phase.format for phase in p.schedule)]
+        named = [f for f in dict.fromkeys(listed) if f in FORMATS]
         if named:
             recipe_reach(named, Recipe(**p.recipe))
 
@@ -36,7 +37,7 @@ class EmulatedConverter(Converter):
         return [*notes, COMPILED_NOTE] if how.quantizer == "compiled" else notes
 
     def layer_format(self, module: nn.Module) -> str | None:
-        return module.format if isinstance(module, QuantizedLinear) else None
+        return gemm_label(module.gemms) if isinstance(module, QuantizedLinear) else None
 
 
 def swap_emulated(

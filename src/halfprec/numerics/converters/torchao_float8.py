@@ -18,7 +18,7 @@ from halfprec.errors import ConfigError
 from halfprec.numerics.converters import Conversion, Converter, register_converter
 from halfprec.numerics.formats.casts import quiet_import
 from halfprec.numerics.layers import HIGH
-from halfprec.numerics.quantized import RECIPE_SWITCHES
+from halfprec.numerics.quantized import GEMMS, RECIPE_SWITCHES
 
 # (format, recipe.grad_format) -> torchao.float8's recipe that computes it
 RECIPES = {("fp8_e4m3", "fp8_e5m2"): "tensorwise", ("fp8_e4m3_row", None): "rowwise"}
@@ -39,10 +39,10 @@ class TorchaoFloat8Converter(Converter):
                 KEY, "native", f"torchao has no training kernel for format={p.format} with recipe.grad_format="
                 f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
             )  # fmt: skip
-        switches = [k for k in RECIPE_SWITCHES if p.recipe[k]]
+        switches = [f"recipe.{k}" for k in (*RECIPE_SWITCHES, *GEMMS) if p.recipe[k]] + ["schedule"] * bool(p.schedule)
         others = [r.format for r in p.rules if r.format not in (HIGH, p.format)]
         if switches or others:
-            what = f"precision.recipe.{switches[0]}" if switches else f"a rule's format {others[0]}"
+            what = f"precision.{switches[0]}" if switches else f"a rule's format {others[0]}"
             raise ConfigError(KEY, "native", f"torchao's float8 kernel has no {what}: use precision.kernel=emulated")
         if p.autocast != "bfloat16" or p.param_dtype != "float32":
             raise ConfigError(
