@@ -158,6 +158,10 @@ class LowPrecisionParams(ParamStrategy):
         super().__init__(model)
         self.rule = rule(self.model_params)
         self._before: list[torch.Tensor] = []
+        # Set to {} by the diagnostics for one step (training/diagnostics.py, watch_updates): finish_
+        # then puts there, per low-precision parameter index, the rule's `lost_to_nearest` counts.
+        # None on every other step, so that the step does nothing more than round.
+        self.lost: dict[int, torch.Tensor] | None = None
 
     @property
     def compensation(self) -> list[torch.Tensor]:
@@ -180,6 +184,8 @@ class LowPrecisionParams(ParamStrategy):
                 if not stepped:
                     p.data = before
                 elif before.dtype != torch.float32:  # a module kept in fp32 (norms) needs no rounding
+                    if self.lost is not None:  # before `round`, which may update p.data in place
+                        self.lost[i] = self.rule.lost_to_nearest(i, before, p.data)
                     p.data = self.rule.round(i, before, p.data)
             self._before = []
 

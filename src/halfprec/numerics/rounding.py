@@ -24,6 +24,17 @@ class RoundingRule:
         """Parameter i's fp32 value for the optimizer to step, from what the weight stores."""
         return stored.float()
 
+    def lost_to_nearest(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        """[elements whose fp32 update is non-zero, those of them that rounding to nearest leaves at
+        the old weight], int64 on the device: what `.half()`-style rounding loses of this update
+        (|update| below half an ulp), whatever this rule then does with it (the diagnostics'
+        `update_lost`). Called before `round`, which may work in place on `updated` (Kahan), and
+        changes no state: the step's numerics are the same with or without it."""
+        changed = updated != before  # compared in fp32: bf16/fp16 values promote exactly, no copy
+        moved = changed.sum()
+        lost = changed.logical_and_(updated.to(before.dtype) == before).sum()
+        return torch.stack([moved, lost])
+
 
 class RoundToNearest(RoundingRule):
     """What `.half()` training does: an update smaller than half a step of the stored dtype vanishes."""
@@ -80,6 +91,16 @@ class RemainderRounding(RoundingRule):
     def round(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
         rounded, self.buffers[i] = split_bf16(updated)
         return rounded
+
+    def lost_to_nearest(self, i: int, before: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+        """The optimizer stepped the exact master (bf16 + remainder), not the bf16 weight: its update
+        is the change from that master, applied to the bf16 weight as a run without remainders would."""
+        start = self.upcast(i, before)  # the remainder is still this step's: `round` replaces it after
+        changed = updated != start
+        moved = changed.sum()
+        alone = updated.sub(start).add_(before)  # the bf16 weight plus this update, in fp32
+        lost = changed.logical_and_(alone.to(before.dtype) == before).sum()
+        return torch.stack([moved, lost])
 
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Gradient diagnostics (the `diagnostics` group): per layer, how many gradient values fp16 could
-not hold, a histogram of their exponents, and which layer a skipped step's inf/NaN came from.
+not hold, a histogram of their exponents, which layer a skipped step's inf/NaN came from, and with
+low-precision weights without masters, how much of the update rounding to nearest loses.
 
 Everything is computed on the device and read back in one transfer per diagnostics step; with
 `diagnostics=none` the optimizer step runs exactly as without this module.
@@ -17,7 +18,7 @@ from torch import nn
 
 from halfprec.loggers import Histogram
 from halfprec.numerics.grads import full
-from halfprec.numerics.params import ParamStrategy
+from halfprec.numerics.params import LowPrecisionParams, ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
 from halfprec.numerics.quantized import OPERANDS, QuantizedLinear
 
@@ -74,6 +75,9 @@ class Diagnostics:
         self._log_z: list[torch.Tensor] = []  # per micro-batch: [mean, max] of the output's log Z
         self.quantized = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
         self._quant: dict[str, dict[str, torch.Tensor]] = {}
+        # bf16/fp16 weights that the update is rounded into (no fp32 masters): update_lost/<layer>
+        self.rounded = params if isinstance(params, LowPrecisionParams) else None
+        self._lost: dict[int, torch.Tensor] = {}
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 1 or step % self.every == 0)
@@ -190,19 +194,48 @@ class Diagnostics:
         row["diag/quant_rel_err"], row["diag/quant_rel_err_max"] = sum(errors) / len(errors), max(errors)
         return row
 
+    @contextlib.contextmanager
+    def watch_updates(self) -> Iterator[None]:
+        """How much of this step's update rounding to nearest loses in the weights' own dtype: the
+        parameter strategy counts it, per parameter, between the optimizer's fp32 step and the
+        rounding (LowPrecisionParams.finish_). A skipped step counts nothing. Other strategies have
+        fp32 weights or fp32 masters, which lose nothing of this kind: nothing to watch."""
+        params = self.rounded
+        if params is None:
+            yield
+            return
+        params.lost = {}
+        try:
+            yield
+        finally:
+            self._lost, params.lost = params.lost, None
+
+    def _lost_by_layer(self) -> tuple[list[str], torch.Tensor | None]:
+        """The layers with counted parameters (model order) and their [moved, lost] sums, (layers, 2)
+        on the device. A layer kept in fp32 (a norm under keep_norm_fp32) has none: it has no key."""
+        lost, self._lost = self._lost, {}
+        found = [(layer, [lost[i] for i in indices if i in lost]) for layer, indices in self.layers.items()]
+        found = [(layer, counts) for layer, counts in found if counts]
+        if not found:
+            return [], None
+        return [layer for layer, _ in found], torch.stack([torch.stack(counts).sum(0) for _, counts in found])
+
     def _add_act(self, name: str, counts: torch.Tensor) -> None:
         self._act_counts[name] = counts + self._act_counts.get(name, 0)
 
     def collect(self) -> dict:
         """The row for this diagnostics step: fractions for metrics.jsonl and W&B, histograms for W&B."""
         row: dict = {}
-        if self._grad_counts is not None and self._grad_hists is not None:  # set together
-            counts, hists = self._grad_counts.cpu(), self._grad_hists.cpu()  # the one host read
+        lost_layers, lost = self._lost_by_layer()
+        counts, hists, lost = _read([self._grad_counts, self._grad_hists, lost])  # the one host read
+        if counts is not None and hists is not None:  # set together
             row.update(_fractions("grad", list(self.layers), counts))
             edges = [float(e) for e in range(LOG2_RANGE[0], LOG2_RANGE[1] + 1)]
             for layer, hist in zip(self.layers, hists):
                 if hist.sum() > 0:
                     row[f"grad_log2/{layer}"] = Histogram([int(c) for c in hist.tolist()], edges)
+        if lost is not None:
+            row.update(_lost_shares(lost_layers, lost))
         if self._act_counts:
             names = [n for n in self.compute_layers if n in self._act_counts]  # model order
             row.update(_fractions("act", names, torch.stack([self._act_counts[n] for n in names]).cpu()))
@@ -237,6 +270,31 @@ def grad_noise_row(layers: list[str], squares: list[float]) -> dict:
             row[f"grad_noise/{layer}"] = math.sqrt(grad / noise)
     if layers and sum(noises) > 0:
         row["diag/grad_noise"] = math.sqrt(sum(grads) / sum(noises))
+    return row
+
+
+def _read(parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Device tensors to the host in one transfer (one sync, not one per tensor), each back in its
+    own shape and dtype: they travel as float64, which holds fp32 values and int64 counts below
+    2^53 exactly. None stays None."""
+    present = [t for t in parts if t is not None]
+    if not present:
+        return list(parts)
+    flat = torch.cat([t.detach().flatten().double() for t in present]).cpu()
+    chunks = iter(flat.split([t.numel() for t in present]))
+    return [None if t is None else next(chunks).view(t.shape).to(t.dtype) for t in parts]
+
+
+def _lost_shares(layers: list[str], counts: torch.Tensor) -> dict:
+    """update_lost/<layer> and diag/update_lost from rows of [moved, lost]: the share of the weight
+    values the optimizer moved this step (a non-zero fp32 update) that rounding to nearest leaves
+    where they were; 0.0 where nothing moved. Values the update does not move are left out of the
+    denominator, so that an unused embedding row or a zero gradient does not dilute the share."""
+    rows = [(int(moved), int(lost)) for moved, lost in counts.tolist()]
+    moved_total, lost_total = sum(m for m, _ in rows), sum(lost for _, lost in rows)
+    row = {"diag/update_lost": lost_total / moved_total if moved_total else 0.0}
+    for layer, (moved, lost) in zip(layers, rows):
+        row[f"update_lost/{layer}"] = lost / moved if moved else 0.0
     return row
 
 
