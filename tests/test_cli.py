@@ -47,6 +47,11 @@ NEEDS |= {f"precision={name}": ["precision.fp8_emulate=true"] for name in ("fp8"
 NEEDS |= {f"optim={name}": ["model.hidden=[64]"] for name in ("adamw8bit", "adamw4bit", "adamw_fp8")}
 # the FP4 recipe's variants are the GPT's (its output head, its last block): two blocks, one kept high
 NEEDS |= {f"ablation={p.stem}": ["task=lm", "model.n_layer=2"] for p in (CONF / "ablation").glob("*.yaml")}
+# a schedule's trigger reads the diagnostics rows
+NEEDS |= {
+    f"ablation={p.stem}": ["task=lm", "model.n_layer=2", "diagnostics=grads"]
+    for p in (CONF / "ablation").glob("*_sqrt3.yaml")
+}
 
 
 def model_arch(option: Path) -> str:
@@ -221,10 +226,12 @@ OPTION_SWEEPS = {
     "data+logger": ["data=glob(*,exclude=[cifar10,imagefolder,pydoc,text,tokens])", "logger=glob(*)"],
     "data=cifar10": ["data=cifar10"],  # the options that read files, each with its own disk_data overrides
     "data=imagefolder": ["data=imagefolder"],
-    "experiment": ["+experiment=glob(*)"],
+    # eager quantizers: which_gemm's and precision_schedule's compiled ones would compile for minutes here
+    "experiment": ["+experiment=glob(*)", "precision.quantizer=eager"],
     # the experiments are digits-sized by default; at scale they take data=cifar10 (and a GPU)
     "experiment+cifar10": [
-        "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision,optimizer_precision,master_precision,fp4_recipe])",
+        "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision,optimizer_precision,master_precision,fp4_recipe,"
+        "which_gemm,precision_schedule])",
         "data=cifar10",
         "data.num_workers=0",
     ],  # the image experiments (the others are task=lm)

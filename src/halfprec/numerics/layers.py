@@ -155,7 +155,8 @@ def recipe_reach(formats: Sequence[str], recipe: Recipe) -> list[str]:
         if missed:
             lines.append(f"recipe: {switch} applies to the {', '.join(reached)} layers, not to {', '.join(missed)}: "
                          f"no {needs}")  # fmt: skip
-    unused = {"hadamard": ("wgrad",), "stochastic_grads": ("dgrad", "wgrad")}  # the GEMMs each switch acts in
+    # the GEMMs each switch acts in (weight_2d: those with the weight as an operand)
+    unused = {"hadamard": ("wgrad",), "stochastic_grads": ("dgrad", "wgrad"), "weight_2d": ("forward", "dgrad")}
     for switch, gemms in unused.items():
         if getattr(recipe, switch) and all(getattr(recipe, g) == HIGH for g in gemms):
             lines.append(f"recipe: {switch} does nothing: the GEMMs it acts in ({', '.join(gemms)}) are high")
