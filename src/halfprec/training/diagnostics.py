@@ -1,5 +1,7 @@
 """Gradient diagnostics (the `diagnostics` group): per layer, how many gradient values fp16 could
-not hold, a histogram of their exponents, and which layer a skipped step's inf/NaN came from.
+not hold, a histogram of their exponents, which layer a skipped step's inf/NaN came from, the
+quantization statistics of the quantized layers, and those that the formats of diagnostics.shadow
+would have on every Linear layer (what-if statistics, leaving the run's values as they are).
 
 Everything is computed on the device and read back in one transfer per diagnostics step; with
 `diagnostics=none` the optimizer step runs exactly as without this module.
@@ -19,7 +21,7 @@ from halfprec.loggers import Histogram
 from halfprec.numerics.grads import full
 from halfprec.numerics.params import ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
-from halfprec.numerics.quantized import OPERANDS, QuantizedLinear
+from halfprec.numerics.quantized import OPERANDS, QuantizedLinear, what_if_sums
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
 FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf
@@ -74,6 +76,10 @@ class Diagnostics:
         self._log_z: list[torch.Tensor] = []  # per micro-batch: [mean, max] of the output's log Z
         self.quantized = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
         self._quant: dict[str, dict[str, torch.Tensor]] = {}
+        # what-if formats (numerics/formats' FORMATS), each on every Linear layer, quantized or not
+        self.shadow = list(dict.fromkeys(cfg.shadow))
+        self.linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self._shadow: dict[tuple[str, str, str], torch.Tensor] = {}  # (format, layer, operand): quant_sums
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 1 or step % self.every == 0)
@@ -169,21 +175,69 @@ class Diagnostics:
             for layer in layers:
                 layer.stats = None
 
+    @contextlib.contextmanager
+    def watch_shadow(self) -> Iterator[None]:
+        """What each format of diagnostics.shadow would do to every Linear layer this step, whatever the
+        run computes in: each operand blocked along the dimension the forward GEMM (input, weight: along
+        `in`) or the input-gradient GEMM (grad_output: along `out`) contracts, its quant_sums added up
+        over the micro-batches on the device. Read-only hooks, removed afterwards: the run's values,
+        random streams included, are those of a run without them (tests/test_shadow.py)."""
+        self._shadow = {}
+
+        def forward_hook(name: str):
+            def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+                if args and torch.is_tensor(args[0]):
+                    self._add_shadow(name, "input", args[0].reshape(-1, args[0].shape[-1]))
+                self._add_shadow(name, "weight", cast(nn.Linear, module).weight)
+                if torch.is_tensor(out) and out.requires_grad:  # the gradient as the backward gets it
+                    out.register_hook(lambda g: self._add_shadow(name, "grad_output", g.reshape(-1, g.shape[-1])))
+
+            return hook
+
+        handles = [self.model.get_submodule(name).register_forward_hook(forward_hook(name)) for name in self.linears]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def _add_shadow(self, layer: str, operand: str, t: torch.Tensor) -> None:
+        """Add each shadow format's sums of `t` (returns None: a tensor hook leaves the gradient as it is)."""
+        with torch.autocast(t.device.type, enabled=False):  # the statistics in fp32, as QuantizedLinear's
+            for fmt in self.shadow:
+                key = (fmt, layer, operand)
+                self._shadow[key] = what_if_sums(t, fmt) + self._shadow.get(key, 0)
+
     def _quant_row(self) -> dict:
         """quant/<layer>/<operand>/{rel_err, underflow, saturated} and the model's mean and largest
-        rel_err, from the sums of watch_quantization, read back in one transfer."""
+        rel_err, from the sums of watch_quantization; the same per shadow format (shadow/<format>/...,
+        diag/shadow/<format>/rel_err and rel_err_max) from those of watch_shadow; read back in one transfer."""
         quant, self._quant = self._quant, {}
-        keys = [(layer, op) for layer, stats in quant.items() for op in OPERANDS if op in stats]
-        if not keys:
+        shadow, self._shadow = self._shadow, {}
+        # (key prefix, layer, operand, sums): quantized layers in model order, then each shadow format's
+        cells = [("quant", layer, op, stats[op]) for layer, stats in quant.items() for op in OPERANDS if op in stats]
+        cells += [
+            (f"shadow/{fmt}", layer, op, shadow[fmt, layer, op])
+            for fmt in self.shadow
+            for layer in self.linears
+            for op in OPERANDS
+            if (fmt, layer, op) in shadow
+        ]
+        if not cells:
             return {}
-        sums = torch.stack([quant[layer][op] for layer, op in keys]).cpu().tolist()  # the one host read
+        sums = torch.stack([cell[3] for cell in cells]).cpu().tolist()  # the one host read
         row: dict = {}
-        for (layer, op), (sq_err, sq_norm, count, nonzero, under, sat) in zip(keys, sums):
-            row[f"quant/{layer}/{op}/rel_err"] = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
-            row[f"quant/{layer}/{op}/underflow"] = under / nonzero if nonzero else 0.0
-            row[f"quant/{layer}/{op}/saturated"] = sat / count if count else 0.0
-        errors = [row[f"quant/{layer}/{op}/rel_err"] for layer, op in keys]
-        row["diag/quant_rel_err"], row["diag/quant_rel_err_max"] = sum(errors) / len(errors), max(errors)
+        errors: dict[str, list[float]] = {}  # per prefix
+        for (prefix, layer, op, _), (sq_err, sq_norm, count, nonzero, under, sat) in zip(cells, sums):
+            key = f"{prefix}/{layer}/{op}"
+            row[f"{key}/rel_err"] = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
+            row[f"{key}/underflow"] = under / nonzero if nonzero else 0.0
+            row[f"{key}/saturated"] = sat / count if count else 0.0
+            errors.setdefault(prefix, []).append(row[f"{key}/rel_err"])
+        for prefix, values in errors.items():  # diag/quant_rel_err, diag/shadow/mxfp4/rel_err
+            mean = f"diag/{prefix}_rel_err" if prefix == "quant" else f"diag/{prefix}/rel_err"
+            row[mean], row[f"{mean}_max"] = sum(values) / len(values), max(values)
         return row
 
     def _add_act(self, name: str, counts: torch.Tensor) -> None:

@@ -56,11 +56,12 @@ class StepProbes:
         acts = diag.watch_activation_gradients(c.scaler.scale) if due and diag.activations else None
         logits = diag.watch_logits() if due else contextlib.nullcontext()
         quant = diag.watch_quantization() if due and diag.quantized else contextlib.nullcontext()
+        shadow = diag.watch_shadow() if due and diag.shadow else contextlib.nullcontext()
         hooked = first or injected is not None or acts is not None or due
         net = c.compiled if c.compiled is not None and not hooked else None
         probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale, counter)
         try:
-            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant:
+            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant, shadow:
                 yield probe
         finally:
             if injected is not None:
