@@ -668,8 +668,8 @@ def test_help_and_docstring_name_every_plot_the_report_writes(capsys):
     for text in (help_text, doc):
         for name in ("report.md", "loss.png", "scale.png", "sweep.png", "attn_logits.png", "logz.png"):
             assert name in text, (name, text)
-    for name in ("quant_err.png", "quant_heatmap_<job>.png"):  # the docstring alone: the help is cli.py's
-        assert name in doc, name
+    for name in ("quant_err.png", "quant_heatmap_<job>.png", "shadow_<format>_<job>.png"):  # the docstring alone
+        assert name in doc, name  # (the help is cli.py's)
     assert "two plots" not in doc
 
 
@@ -942,3 +942,86 @@ def test_logit_plots_are_written_for_transformers_alone(tmp_path, capsys):
     for name in ("attn_logits.png", "logz.png"):
         assert_png(tmp_path / "gpt_out" / name)
         assert f"![{name[:-4]}]({name})" in text
+
+
+# What-if statistics (diagnostics.shadow=[...], in any run): on diagnostics steps,
+# shadow/<format>/<layer>/<operand>/{rel_err, underflow, saturated} and diag/shadow/<format>/rel_err.
+
+
+def shadow_stats(fmt: str, errors: dict[str, dict[str, float | None]]) -> dict[str, Any]:
+    """A diagnostics row's shadow keys for one format, as training/diagnostics.py logs them."""
+    quant = quant_stats(errors)
+    row = {f"shadow/{fmt}/{k.partition('/')[2]}": v for k, v in quant.items() if k.startswith("quant/")}
+    mean, largest = quant["diag/quant_rel_err"], quant["diag/quant_rel_err_max"]
+    return {**row, f"diag/shadow/{fmt}/rel_err": mean, f"diag/shadow/{fmt}/rel_err_max": largest}
+
+
+def shadow_job(steps: int = 30) -> FakeJob:
+    """A bf16 job that logged mxfp4 and nvfp4 shadow stats every 5th row (steps 10, 60, ... 260), each
+    layer's error its base times 1 + row / 10 (nvfp4's 0.7 times mxfp4's)."""
+    base = {"blocks.0.attn.qkv": 0.1, "blocks.0.mlp.fc": 0.2, "lm_head": 0.05}
+
+    def row(i: int) -> dict[str, Any]:
+        keys: dict[str, Any] = {}
+        for fmt, scale in (("mxfp4", 1.0), ("nvfp4", 0.7)):
+            errors = {layer: {op: err * scale * (1 + i / 10) for op in QUANT_OPS} for layer, err in base.items()}
+            keys.update(shadow_stats(fmt, errors))
+        return keys
+
+    extra = {i: row(i) for i in range(0, steps, 5)}
+    return FakeJob({"precision": "bf16", "diagnostics.shadow": "[mxfp4,nvfp4]"}, decay(0.2, steps=steps), extra=extra)
+
+
+QUANT_OPS = ("input", "weight", "grad_output")
+
+
+def test_shadow_maps_are_a_layer_by_step_grid_per_format_and_operand():
+    from halfprec.tools.report.shadow import shadow_cell, shadow_maps
+
+    rows = [
+        {"step": 1, "shadow/mxfp4/fc1/input/rel_err": 0.1, "shadow/mxfp4/fc1/weight/rel_err": 0.2,
+         "shadow/mxfp4/fc1/input/underflow": 0.5, "diag/shadow/mxfp4/rel_err": 0.15},
+        {"step": 2, "train/loss": 1.0},  # not a diagnostics step: no column
+        {"step": 4, "shadow/mxfp4/fc1/input/rel_err": 0.3, "shadow/mxfp4/head/grad_output/rel_err": math.nan,
+         "shadow/nvfp4/fc1/input/rel_err": 0.05},
+    ]  # fmt: skip
+    mx, nv = shadow_maps(rows)
+    assert (mx.format, mx.steps, mx.layers, mx.operands) == ("mxfp4", [1, 4], ["fc1", "head"], list(QUANT_OPS))
+    assert mx.values["input"][0] == [0.1, 0.3] and all(math.isnan(v) for v in mx.values["input"][1])
+    assert mx.values["weight"][0][0] == 0.2 and math.isnan(mx.values["weight"][0][1])  # not logged at step 4
+    assert all(math.isnan(v) for v in mx.values["grad_output"][1])  # logged as null, or not at all
+    assert (nv.steps, nv.layers, nv.values["input"]) == ([4], ["fc1"], [[0.05]])
+    assert shadow_cell("shadow/mxfp4/fc1/input/saturated") is None and shadow_cell("diag/shadow/mxfp4/rel_err") is None
+    assert shadow_cell("quant/fc1/input/rel_err") is None and shadow_maps([{"step": 1, "train/loss": 1.0}]) == []
+
+
+def test_a_run_with_shadow_stats_gets_its_damage_per_layer_over_steps_per_format(tmp_path, capsys):
+    single = tmp_path / "single"
+    write_run(single, shadow_job())
+    out = tmp_path / "out"
+    assert write_report(single, out) == 0
+    text = capsys.readouterr().out
+    names = ["shadow_mxfp4_single.png", "shadow_nvfp4_single.png"]
+    assert sorted(p.name for p in out.glob("shadow*")) == names
+    for name in names:
+        assert_png(out / name)
+        assert f"![{name[:-4]}]({name})" in text
+    assert not list(out.glob("quant*"))  # bf16 quantizes nothing itself: no quant plots
+
+    from halfprec.tools.report.shadow import shadow_figure, shadow_maps
+
+    mx, _ = shadow_maps(find_jobs(single)[0].rows)
+    fig = shadow_figure(mx, "t")
+    *panels, colorbar = fig.axes
+    assert [ax.get_title() for ax in panels] == list(QUANT_OPS)
+    image = panels[0].images[0].get_array()
+    assert image.shape == (3, 6)  # 3 layers down, the 6 diagnostics steps across
+    assert image[0, 0] == pytest.approx(0.1) and image[0, -1] == pytest.approx(0.1 * 3.5)  # blocks.0.attn.qkv, growing
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["blocks.0.attn.qkv", "blocks.0.mlp.fc", "lm_head"]
+    assert [t.get_text() for t in panels[0].get_xticklabels()] == ["10", "60", "110", "160", "210", "260"]
+    assert colorbar.get_ylabel() == "relative error ||q(x) - x|| / ||x||"
+
+    plain = tmp_path / "plain"  # without shadow stats: no shadow figure, nothing said of it
+    write_run(plain, FakeJob({"precision": "bf16"}, decay(0.2)))
+    assert write_report(plain, tmp_path / "plain_out") == 0
+    assert "![shadow" not in capsys.readouterr().out and not list((tmp_path / "plain_out").glob("shadow*"))

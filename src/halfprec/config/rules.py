@@ -167,10 +167,19 @@ def check_schedule(p: DictConfig, every: int, max_steps: int) -> None:
 
 
 def check_diagnostics(d: DictConfig) -> None:
-    if d.activations and d.every == 0:
-        raise ConfigError(
-            "diagnostics.activations", True, "needs diagnostics.every > 0 (or diagnostics=grads) to take effect"
-        )
+    """Diagnostics that would never be due (the format names of diagnostics.shadow: check_shadow)."""
+    for key, value in (("activations", d.activations), ("shadow", d.shadow)):
+        if value and d.every == 0:
+            raise ConfigError(
+                f"diagnostics.{key}", value, "needs diagnostics.every > 0 (or diagnostics=grads) to take effect"
+            )
+
+
+def check_shadow(d: DictConfig, formats: dict[str, Any]) -> None:
+    """diagnostics.shadow's format names against the registry (`formats`: numerics/formats' FORMATS)."""
+    for i, name in enumerate(d.shadow):
+        if name not in formats:
+            raise ConfigError(f"diagnostics.shadow[{i}]", name, f"no such number format; they are {', '.join(formats)}")
 
 
 def check_residual(init: DictConfig, arch: str, models: dict[str, Any]) -> None:

@@ -171,6 +171,9 @@ class Diagnostics:
     every: Annotated[int, Spec(low=0, doc="optimizer steps between diagnostics rows; 0 = never")]
     activations: bool
     skips: bool
+    shadow: Annotated[
+        list[str], Spec(doc="number formats whose statistics every Linear layer would have, e.g. [mxfp4,nvfp4]")
+    ]
 
 
 @dataclass

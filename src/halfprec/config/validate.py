@@ -126,6 +126,7 @@ def validate_components(cfg: DictConfig) -> None:
 
     check_recipe(cfg.precision)
     rules.check_formats(cfg.precision, FORMATS)
+    rules.check_shadow(cfg.diagnostics, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")
     check_node(cfg.task, TASKS[task], "task", f"task={task}", extra=("name",))
     name = chosen(cfg, "data.name", DATASETS, "datasets registered in halfprec.components.data")

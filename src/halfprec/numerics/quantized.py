@@ -162,14 +162,9 @@ class QuantizedLinear(nn.Linear):
 
     @torch.no_grad()
     def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
-        """Sums over the step's micro-batches, on the device: squared error, squared norm, values,
-        non-zero values, non-zero values that became 0, saturated values."""
-        nonzero = t != 0
-        parts = [(q - t).square().sum(), t.square().sum(), torch.tensor(t.numel(), device=t.device),
-                 nonzero.sum(), (nonzero & (q == 0)).sum(), saturated]  # fmt: skip
-        sums = torch.stack([p.float() for p in parts])
+        """Sums over the step's micro-batches, on the device (quant_sums)."""
         assert self.stats is not None
-        self.stats[operand] = sums + self.stats.get(operand, 0)
+        self.stats[operand] = quant_sums(t, q, saturated) + self.stats.get(operand, 0)
 
     @torch.no_grad()
     def record_noise(self, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -205,6 +200,27 @@ class QuantizedLinear(nn.Linear):
         if self.hadamard_matrix is None:  # one per layer, drawn from its seed
             self.hadamard_matrix = random_hadamard(HADAMARD_SIZE, torch.Generator().manual_seed(self.seed))
         return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
+
+
+@torch.no_grad()
+def quant_sums(t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:
+    """The quantization statistics of `t` (fp32) quantized to `q`, as 6 fp32 sums on its device, to be
+    added over a step's micro-batches and read back once (training/diagnostics.py): squared error,
+    squared norm, values, non-zero values, non-zero values that became 0, saturated values."""
+    nonzero = t != 0
+    parts = [(q - t).square().sum(), t.square().sum(), torch.tensor(t.numel(), device=t.device),
+             nonzero.sum(), (nonzero & (q == 0)).sum(), saturated]  # fmt: skip
+    return torch.stack([p.float() for p in parts])
+
+
+@torch.no_grad()
+def what_if_sums(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """quant_sums of `t` as `fmt` would quantize it along its last axis, without being a GEMM's operand:
+    rounded to nearest (no random draws, so the run's generators are left as they were), plain 1-D
+    blocks (no square weight tiles), the E8M0 floor rule; `t` itself is left untouched (diagnostics.shadow)."""
+    t = t.detach().float()  # as record compares: in fp32, whatever the operand's dtype
+    q = quantize(t, fmt, -1, count_saturated=True)
+    return quant_sums(t, q.values, q.saturated)
 
 
 class QuantizedMatmul(torch.autograd.Function):

@@ -40,7 +40,7 @@ RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "traine
                      "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
                      "trainer.threads", "data.num_workers", "scaler.max_consecutive_skips",
                      "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps",
-                     "precision.quantizer")  # fmt: skip
+                     "precision.quantizer", "diagnostics.shadow")  # fmt: skip
 # Keys added after checkpoints were first written, with the value every older version behaved as:
 # a checkpoint whose config lacks the key resumes when the run asks for that value (a key only some
 # options have, as the GPT's model.pos, is implied only where the run has it).
@@ -64,6 +64,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "model.rope_base": 10000.0,
     "model.tie_embeddings": True,
     "data.dtype": "uint16",  # from before uint32 token files
+    "diagnostics.shadow": [],  # from before what-if statistics
 }
 # Keys whose change does nothing while another key is 0 on both sides: which tensors get no weight
 # decay, when nothing decays (then there is one param group either way).

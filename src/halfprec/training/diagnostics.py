@@ -1,6 +1,9 @@
 """Gradient diagnostics (the `diagnostics` group): per layer, how many gradient values fp16 could
-not hold, a histogram of their exponents, which layer a skipped step's inf/NaN came from, and with
-low-precision weights without masters, how much of the update rounding to nearest loses.
+not hold, a histogram of their exponents, which layer a skipped step's inf/NaN came from, the
+quantization statistics of the quantized layers and their gradient-to-noise ratio, those that the
+formats of diagnostics.shadow would have on every Linear layer (what-if statistics, leaving the
+run's values as they are), and with low-precision weights without masters, how much of the update
+rounding to nearest loses.
 
 Everything is computed on the device and read back in one transfer per diagnostics step; with
 `diagnostics=none` the optimizer step runs exactly as without this module.
@@ -20,7 +23,7 @@ from halfprec.loggers import Histogram
 from halfprec.numerics.grads import full
 from halfprec.numerics.params import LowPrecisionParams, ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
-from halfprec.numerics.quantized import OPERANDS, QuantizedLinear
+from halfprec.numerics.quantized import OPERANDS, QuantizedLinear, what_if_sums
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
 FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf
@@ -78,6 +81,10 @@ class Diagnostics:
         # bf16/fp16 weights that the update is rounded into (no fp32 masters): update_lost/<layer>
         self.rounded = params if isinstance(params, LowPrecisionParams) else None
         self._lost: dict[int, torch.Tensor] = {}
+        # what-if formats (numerics/formats' FORMATS), each on every Linear layer, quantized or not
+        self.shadow = list(dict.fromkeys(cfg.shadow))
+        self.linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self._shadow: dict[tuple[str, str, str], torch.Tensor] = {}  # (format, layer, operand): quant_sums
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 1 or step % self.every == 0)
@@ -173,25 +180,74 @@ class Diagnostics:
             for layer in layers:
                 layer.stats = None
 
+    @contextlib.contextmanager
+    def watch_shadow(self) -> Iterator[None]:
+        """What each format of diagnostics.shadow would do to every Linear layer this step, whatever the
+        run computes in: each operand blocked along the dimension the forward GEMM (input, weight: along
+        `in`) or the input-gradient GEMM (grad_output: along `out`) contracts, its quant_sums added up
+        over the micro-batches on the device. Read-only hooks, removed afterwards: the run's values,
+        random streams included, are those of a run without them (tests/test_shadow.py)."""
+        self._shadow = {}
+
+        def forward_hook(name: str):
+            def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+                if args and torch.is_tensor(args[0]):
+                    self._add_shadow(name, "input", args[0].reshape(-1, args[0].shape[-1]))
+                self._add_shadow(name, "weight", cast(nn.Linear, module).weight)
+                if torch.is_tensor(out) and out.requires_grad:  # the gradient as the backward gets it
+                    out.register_hook(lambda g: self._add_shadow(name, "grad_output", g.reshape(-1, g.shape[-1])))
+
+            return hook
+
+        handles = [self.model.get_submodule(name).register_forward_hook(forward_hook(name)) for name in self.linears]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def _add_shadow(self, layer: str, operand: str, t: torch.Tensor) -> None:
+        """Add each shadow format's sums of `t` (returns None: a tensor hook leaves the gradient as it is)."""
+        with torch.autocast(t.device.type, enabled=False):  # the statistics in fp32, as QuantizedLinear's
+            for fmt in self.shadow:
+                key = (fmt, layer, operand)
+                self._shadow[key] = what_if_sums(t, fmt) + self._shadow.get(key, 0)
+
     def _quant_row(self) -> dict:
         """quant/<layer>/<operand>/{rel_err, underflow, saturated} and the model's mean and largest
-        rel_err, from the sums of watch_quantization, read back in one transfer."""
+        rel_err, from the sums of watch_quantization; the same per shadow format (shadow/<format>/...,
+        diag/shadow/<format>/rel_err and rel_err_max) from those of watch_shadow, and the gradient-to-noise
+        ratios (grad_noise_row); read back in one transfer."""
         quant, self._quant = self._quant, {}
-        keys = [(layer, op) for layer, stats in quant.items() for op in OPERANDS if op in stats]
-        if not keys:
+        shadow, self._shadow = self._shadow, {}
+        # (key prefix, layer, operand, sums): quantized layers in model order, then each shadow format's
+        cells = [("quant", layer, op, stats[op]) for layer, stats in quant.items() for op in OPERANDS if op in stats]
+        cells += [
+            (f"shadow/{fmt}", layer, op, shadow[fmt, layer, op])
+            for fmt in self.shadow
+            for layer in self.linears
+            for op in OPERANDS
+            if (fmt, layer, op) in shadow
+        ]
+        if not cells:
             return {}
         noisy = [layer for layer, stats in quant.items() if "wgrad_noise" in stats]
         norms = [torch.stack([quant[n]["wgrad_exact"].square().sum(), quant[n]["wgrad_noise"].square().sum()])
                  for n in noisy]  # fmt: skip
-        flat = torch.cat([torch.stack([quant[layer][op] for layer, op in keys]).flatten(), *norms]).cpu().tolist()
-        sums = [flat[i : i + 6] for i in range(0, 6 * len(keys), 6)]  # the one host read, split
-        row = grad_noise_row(noisy, flat[6 * len(keys) :])
-        for (layer, op), (sq_err, sq_norm, count, nonzero, under, sat) in zip(keys, sums):
-            row[f"quant/{layer}/{op}/rel_err"] = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
-            row[f"quant/{layer}/{op}/underflow"] = under / nonzero if nonzero else 0.0
-            row[f"quant/{layer}/{op}/saturated"] = sat / count if count else 0.0
-        errors = [row[f"quant/{layer}/{op}/rel_err"] for layer, op in keys]
-        row["diag/quant_rel_err"], row["diag/quant_rel_err_max"] = sum(errors) / len(errors), max(errors)
+        flat = torch.cat([torch.stack([cell[3] for cell in cells]).flatten(), *norms]).cpu().tolist()
+        sums = [flat[i : i + 6] for i in range(0, 6 * len(cells), 6)]  # the one host read, split
+        row = grad_noise_row(noisy, flat[6 * len(cells) :])
+        errors: dict[str, list[float]] = {}  # per prefix
+        for (prefix, layer, op, _), (sq_err, sq_norm, count, nonzero, under, sat) in zip(cells, sums):
+            key = f"{prefix}/{layer}/{op}"
+            row[f"{key}/rel_err"] = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
+            row[f"{key}/underflow"] = under / nonzero if nonzero else 0.0
+            row[f"{key}/saturated"] = sat / count if count else 0.0
+            errors.setdefault(prefix, []).append(row[f"{key}/rel_err"])
+        for prefix, values in errors.items():  # diag/quant_rel_err, diag/shadow/mxfp4/rel_err
+            mean = f"diag/{prefix}_rel_err" if prefix == "quant" else f"diag/{prefix}/rel_err"
+            row[mean], row[f"{mean}_max"] = sum(values) / len(values), max(values)
         return row
 
     @contextlib.contextmanager

@@ -60,6 +60,7 @@ class StepProbes:
         logits = diag.watch_logits() if due else contextlib.nullcontext()
         quant = diag.watch_quantization() if due and diag.quantized else contextlib.nullcontext()
         updates = diag.watch_updates() if due else contextlib.nullcontext()  # bf16/fp16 weights without masters
+        shadow = diag.watch_shadow() if due and diag.shadow else contextlib.nullcontext()
         hooked = first or injected is not None or acts is not None or due
         net = c.compiled if c.compiled is not None and not hooked else None
         probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale, counter)
@@ -67,7 +68,7 @@ class StepProbes:
             c.policy.enter_phase(c.model, self.schedule.phase_at(step))
             probe.switched = True
         try:
-            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant, updates:
+            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant, updates, shadow:
                 yield probe
         finally:
             if injected is not None:

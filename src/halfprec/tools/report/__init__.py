@@ -9,7 +9,10 @@ for a transformer with diagnostics=grads, attn_logits.png and logz.png; into PAT
 emulated number format with diagnostics=grads (quant/<layer>/<operand>/rel_err keys) also get
 quant_err.png (the mean relative quantization error against step, the largest dashed) and, per job,
 quant_heatmap_<job>.png (each layer's error per operand at its last diagnostics step; at most
-quant.MAX_HEATMAPS of them, report.md names the jobs left out). A sweep over precision.format gets
+quant.MAX_HEATMAPS of them, report.md names the jobs left out). Runs with diagnostics.shadow (any
+precision) get, per job and shadow format, shadow_<format>_<job>.png: the relative error the format
+would have on each layer (rows) at each diagnostics step (columns), a panel per operand (as many jobs
+as heatmaps). A sweep over precision.format gets
 bits.png (final val/loss against bits per value); a run `halfprec sensitivity` measured gets
 sensitivity_<job>.png.
 
@@ -24,7 +27,8 @@ The modules: runs (finding and reading runs into Jobs), values (a metric's value
 (configurations and their statistics), columns (the metric columns, from
 halfprec/metrics.py), tables (the tables, their cells, report.md), looks, lines, yaxis,
 offchart and plots (line plots against step), sweep_plot (sweep.png), bits_plot (bits.png), quant
-(the quantization plots), sensitivity (the sensitivity heatmaps), upload (W&B).
+(the quantization plots), shadow (the what-if formats' plots), sensitivity (the sensitivity
+heatmaps), upload (W&B).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from halfprec.tools.report.plots import has_scaler, plot_lines, write_logit_plot
 from halfprec.tools.report.quant import write_quant_plots
 from halfprec.tools.report.runs import ReportError, find_jobs
 from halfprec.tools.report.sensitivity import write_sensitivity_plots
+from halfprec.tools.report.shadow import write_shadow_plots
 from halfprec.tools.report.sweep_plot import numeric_sweep_key, sweep_figure
 from halfprec.tools.report.tables import build_group_table, build_table, markdown_tables, report_text
 from halfprec.tools.report.upload import log_to_wandb
@@ -55,7 +60,8 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     """Print the tables, write report.md, loss.png, scale.png, sweep.png (final val/loss against a
     swept number such as the lr), bits.png (a sweep over precision.format), the logit plots of
     transformer diagnostics, the quantization error plots (quant_err.png, quant_heatmap_<job>.png),
-    and sensitivity_<job>.png for a run with a sensitivity.json, into `out` (default: PATH); 0 on success."""
+    the what-if formats' damage per layer over steps (shadow_<format>_<job>.png), and
+    sensitivity_<job>.png for a run with a sensitivity.json, into `out` (default: PATH); 0 on success."""
     jobs = find_jobs(path)
     root = path.resolve()
     out = out or path
@@ -86,9 +92,11 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     images += write_logit_plots(jobs, out, where)  # diagnostics=grads on a transformer (not on a plain MLP)
     quant_images, notes = write_quant_plots(jobs, out, where)  # an emulated number format with diagnostics=grads
     images += quant_images
+    shadow_images, shadow_notes = write_shadow_plots(jobs, out)  # diagnostics.shadow's what-if formats
+    images += shadow_images
     images += write_sensitivity_plots(jobs, out)  # the runs `halfprec sensitivity` measured
 
-    text = report_text(path, jobs, markdown_tables(tables), images, tuple(notes))
+    text = report_text(path, jobs, markdown_tables(tables), images, (*notes, *shadow_notes))
     (out / "report.md").write_text(text)
     print(text, end="", flush=True)
     note(f"wrote {', '.join(p.name for p in [out / 'report.md', *images])} in {out}")
