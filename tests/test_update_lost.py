@@ -3,12 +3,11 @@ fp32 masters (LowPrecisionParams), on hand-computable steps; logged in pure mode
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
 
+from halfprec.config import schema
 from halfprec.numerics.params import LowPrecisionParams
 from halfprec.numerics.rounding import (
     KahanRounding,
@@ -21,7 +20,7 @@ from halfprec.training.diagnostics import Diagnostics
 
 from helpers import batch, build_from, flat_params, same_bits
 
-DIAG = SimpleNamespace(every=1, activations=False, skips=False)  # the diagnostics keys Diagnostics reads
+DIAG = schema.Diagnostics(every=1, activations=False, skips=False, shadow=[])
 
 
 class Two(nn.Module):

@@ -87,8 +87,17 @@ def as_tree(config: schema.Config) -> dict[str, Any]:
             value = {k: v for k, v in asdict(value).items() if k != "args"} | value.args
         elif is_dataclass(value) and not isinstance(value, type):
             value = asdict(value)
+        if f.name == "precision":
+            value["schedule"] = [given(phase) for phase in config.precision.schedule]
         tree[f.name] = value
     return tree
+
+
+def given(phase: schema.Phase) -> dict[str, Any]:
+    """A schedule phase as a config writes it: the keys away from their defaults (a phase names one
+    start and what it changes; gemms defaults to all three)."""
+    default = schema.Phase(format=phase.format)
+    return {k: v for k, v in asdict(phase).items() if k == "format" or v != getattr(default, k)}
 
 
 SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
