@@ -55,6 +55,8 @@ def test_a_phase_can_quantize_a_layer_the_plan_keeps_high():
     converted, schedule = build_schedule(PLAN, [Phase("nvfp4", match="head", from_step=3)], Recipe(), 10)
     assert converted["head"] == "nvfp4" and schedule.labels(0)["head"] == "high"
     assert schedule.labels(1)["head"] == "nvfp4"
+    with pytest.raises(ConfigError, match=r"schedule\[0\].match=head: names only layers that are high throughout"):
+        build_schedule(PLAN, [Phase("high", match="head", from_step=3)], Recipe(), 10)
 
 
 def test_a_phase_from_step_one_computes_as_the_recipe_would_from_the_start(tmp_path):

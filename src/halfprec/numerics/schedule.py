@@ -125,6 +125,12 @@ def conversion_plan(plan: dict[str, str], phases: Sequence[Any]) -> tuple[dict[s
             if converted[name] == HIGH and phase.format != HIGH:
                 converted[name] = phase.format
         targets.append(names)
+    # a layer no phase quantizes stays a plain Linear, high throughout: a phase of such layers alone does nothing
+    targets = [[n for n in names if converted[n] != HIGH] for names in targets]
+    for i, names in enumerate(targets):
+        if not names:
+            raise ConfigError(f"precision.schedule[{i}].match", phases[i].match, "names only layers that are high "
+                              "throughout: the phase would change nothing")  # fmt: skip
     return converted, targets
 
 
