@@ -668,7 +668,7 @@ def test_help_and_docstring_name_every_plot_the_report_writes(capsys):
     for text in (help_text, doc):
         for name in ("report.md", "loss.png", "scale.png", "sweep.png", "attn_logits.png", "logz.png"):
             assert name in text, (name, text)
-    for name in ("quant_err.png", "quant_heatmap_<job>.png", "shadow_<format>_<job>.png"):  # the docstring alone
+    for name in ("quant_err.png", "grad_noise.png", "quant_heatmap_<job>.png", "shadow_<format>_<job>.png"):
         assert name in doc, name  # (the help is cli.py's)
     assert "two plots" not in doc
 
@@ -697,6 +697,8 @@ def quant_job(overrides: dict[str, str], scale: float, seed: int = 0) -> FakeJob
                         for layer, err in base.items()})
         for i in (0, 10, 20)
     }  # fmt: skip
+    for i, row in extra.items():
+        row["diag/grad_noise"] = 10.0 / scale - i / 10  # the ratio falls as training goes on
     return FakeJob(overrides, decay(0.2, seed), extra=extra)
 
 
@@ -760,7 +762,7 @@ def test_report_draws_a_quant_heatmap_per_job_with_stats_and_none_for_the_others
     assert write_report(sweep_dir, out) == 0
     text = capsys.readouterr().out
     assert sorted(p.name for p in out.glob("quant*")) == ["quant_err.png", "quant_heatmap_0.png", "quant_heatmap_2.png"]
-    for name in ("quant_err.png", "quant_heatmap_0.png", "quant_heatmap_2.png"):
+    for name in ("quant_err.png", "grad_noise.png", "quant_heatmap_0.png", "quant_heatmap_2.png"):
         assert_png(out / name)
         assert f"![{name[:-4]}]({name})" in text
     assert "left out" not in text
@@ -772,6 +774,7 @@ def test_report_draws_a_quant_heatmap_per_job_with_stats_and_none_for_the_others
     text = capsys.readouterr().out
     assert "![quant" not in text and "quantization" not in text  # (tmp_path's name has "quant" in it)
     assert not list((tmp_path / "single_out").glob("quant*"))
+    assert not (tmp_path / "single_out" / "grad_noise.png").exists()
 
 
 def test_past_max_heatmaps_report_md_names_the_jobs_left_out(tmp_path, capsys, monkeypatch):

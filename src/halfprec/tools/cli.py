@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per configuration first) and write report.md and the plots: loss.png (train/loss against step), "
         "scale.png (the loss scale, when a job has a loss scaler), sweep.png (final val/loss against a swept "
         "number such as optim.lr), for a transformer with diagnostics=grads attn_logits.png and logz.png, and "
-        "for a number format with diagnostics=grads quant_err.png and quant_heatmap_<job>.png, with "
+        "for a number format with diagnostics=grads quant_err.png, grad_noise.png and quant_heatmap_<job>.png, with "
         "diagnostics.shadow shadow_<format>_<job>.png (each layer's error in that format over steps), and for a "
         "run `halfprec sensitivity` measured sensitivity_<job>.png.",
     )

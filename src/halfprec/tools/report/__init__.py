@@ -7,7 +7,8 @@ Writes report.md (the tables), loss.png (train/loss against step), scale.png (th
 when a job has a loss scaler), sweep.png (final val/loss against a swept number, such as the lr) and,
 for a transformer with diagnostics=grads, attn_logits.png and logz.png; into PATH or --out. Runs in an
 emulated number format with diagnostics=grads (quant/<layer>/<operand>/rel_err keys) also get
-quant_err.png (the mean relative quantization error against step, the largest dashed) and, per job,
+quant_err.png (the mean relative quantization error against step, the largest dashed), grad_noise.png
+(diag/grad_noise, the gradient-to-noise ratio, against step) and, per job,
 quant_heatmap_<job>.png (each layer's error per operand at its last diagnostics step; at most
 quant.MAX_HEATMAPS of them, report.md names the jobs left out). Runs with diagnostics.shadow (any
 precision) get, per job and shadow format, shadow_<format>_<job>.png: the relative error the format

@@ -1,6 +1,7 @@
 """The quantization statistics of an emulated number format with diagnostics=grads: quant_err.png
-(the mean relative error against step, the largest dashed) and a heatmap per job of each layer's
-error per operand at its last diagnostics step."""
+(the mean relative error against step, the largest dashed), grad_noise.png (the gradient-to-noise
+ratio against step) and a heatmap per job of each layer's error per operand at its last diagnostics
+step."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from halfprec.tools.report.values import step_text
 QUANT_OPERANDS = ("input", "weight", "grad_output")
 QUANT_MEAN, QUANT_MAX = "diag/quant_rel_err", "diag/quant_rel_err_max"
 QUANT_LABEL = "relative error ||q(x) - x|| / ||x||"
+GRAD_NOISE = "diag/grad_noise"  # over the model's quantized weight gradients (training/diagnostics.py)
 MAX_HEATMAPS = 12
 
 
@@ -139,5 +141,8 @@ def write_quant_plots(jobs: list[Job], out: Path, where: str) -> tuple[list[Path
     title = quant_err_title(where)
     if plot_lines(jobs, QUANT_MEAN, title, out / "quant_err.png", whole=True, dashed_key=QUANT_MAX):
         images.append(out / "quant_err.png")
+    noise = f"gradient-to-noise ratio ||dW|| / ||quantization noise|| (FP4 All the Way's threshold: sqrt(3)): {where}"
+    if plot_lines(jobs, GRAD_NOISE, noise, out / "grad_noise.png", whole=True):
+        images.append(out / "grad_noise.png")
     heatmaps, notes = write_heatmaps(jobs, out)
     return images + heatmaps, notes
