@@ -231,7 +231,7 @@ OPTION_SWEEPS = {
     # the experiments are digits-sized by default; at scale they take data=cifar10 (and a GPU)
     "experiment+cifar10": [
         "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision,optimizer_precision,master_precision,fp4_recipe,"
-        "which_gemm,precision_schedule])",
+        "which_gemm,precision_schedule,shadow])",
         "data=cifar10",
         "data.num_workers=0",
     ],  # the image experiments (the others are task=lm)
