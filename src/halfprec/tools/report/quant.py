@@ -115,16 +115,26 @@ def write_heatmaps(jobs: list[Job], out: Path) -> tuple[list[Path], list[str]]:
     keys = shown_overrides(jobs)
     images = []
     for job, qmap in maps[:MAX_HEATMAPS]:
-        run = " ".join([f"job {job.id}:", *(f"{k}={job.overrides[k]}" for k in keys if k in job.overrides)])
-        title = f"{textwrap.fill(run, 60)}\nrelative quantization error at step {step_text(qmap.step)}"
+        title = f"{textwrap.fill(job_label(job, keys), 60)}\nrelative quantization error at step {step_text(qmap.step)}"
         quant_heatmap(qmap, title).savefig(out / heatmap_name(job), dpi=100)
         images.append(out / heatmap_name(job))
-    left_out = [job.id for job, _ in maps[MAX_HEATMAPS:]]
+    return images, left_out_note("Quantization heatmaps", "quantization", [job for job, _ in maps])
+
+
+def job_label(job: Job, keys: list[str]) -> str:
+    """'job <id>: key=value ...', with the overrides of `keys` the job has: a per-job plot's title."""
+    return " ".join([f"job {job.id}:", *(f"{k}={job.overrides[k]}" for k in keys if k in job.overrides)])
+
+
+def left_out_note(plots: str, stats: str, found: list[Job]) -> list[str]:
+    """report.md's line naming the jobs past the first MAX_HEATMAPS of `found`, which get no plot (none
+    when none are)."""
+    left_out = [job.id for job in found[MAX_HEATMAPS:]]
     if not left_out:
-        return images, []
-    return images, [
-        f"Quantization heatmaps for the first {MAX_HEATMAPS} of the {len(maps)} jobs with quantization "
-        f"statistics; {len(left_out)} left out: job{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}."
+        return []
+    return [
+        f"{plots} for the first {MAX_HEATMAPS} of the {len(found)} jobs with {stats} statistics; "
+        f"{len(left_out)} left out: job{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}."
     ]
 
 

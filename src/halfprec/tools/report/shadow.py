@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from halfprec.tools.report.groups import shown_overrides
-from halfprec.tools.report.quant import MAX_HEATMAPS, QUANT_LABEL, QUANT_OPERANDS, quant_norm
+from halfprec.tools.report.quant import MAX_HEATMAPS, QUANT_LABEL, QUANT_OPERANDS, job_label, left_out_note, quant_norm
 from halfprec.tools.report.runs import Job, file_id
 from halfprec.tools.report.values import step_text
 
@@ -105,16 +105,10 @@ def write_shadow_plots(jobs: list[Job], out: Path) -> tuple[list[Path], list[str
     keys = shown_overrides(jobs)
     images = []
     for job, maps in found[:MAX_HEATMAPS]:
-        run = " ".join([f"job {job.id}:", *(f"{k}={job.overrides[k]}" for k in keys if k in job.overrides)])
+        run = job_label(job, keys)
         for smap in maps:
             what = f"relative error {smap.format} would have (diagnostics.shadow), per layer and step"
             path = out / shadow_name(smap.format, job)
             shadow_figure(smap, f"{textwrap.fill(run, 80)}\n{what}").savefig(path, dpi=100)
             images.append(path)
-    left_out = [job.id for job, _ in found[MAX_HEATMAPS:]]
-    if not left_out:
-        return images, []
-    return images, [
-        f"Shadow format plots for the first {MAX_HEATMAPS} of the {len(found)} jobs with shadow statistics; "
-        f"{len(left_out)} left out: job{'s' if len(left_out) > 1 else ''} {', '.join(left_out)}."
-    ]
+    return images, left_out_note("Shadow format plots", "shadow", [job for job, _ in found])
