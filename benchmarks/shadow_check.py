@@ -107,6 +107,20 @@ def tool_firsts(sensitivity: list[dict], fmt: str) -> str:
     return f"the tool's first layer per seed: {'; '.join(firsts)}"
 
 
+def shadow_worsts(jobs: list[Job], sensitivity: list[dict], fmt: str, step: int) -> str:
+    """Each seed's worst layer by the mean error at `step`, against the error of the tool's first: how far
+    apart the layers' errors are."""
+    worsts = []
+    for job, measured in zip(jobs, sensitivity):
+        damage = layer_damage(measured, fmt)
+        layers = sorted(damage)
+        mean = shadow_scores(job, fmt, layers)[step]["mean"]
+        worst = max(range(len(layers)), key=mean.__getitem__)
+        first = layers.index(max(layers, key=damage.__getitem__))
+        worsts.append(f"{layers[worst]} ({mean[worst]:.3f}; the tool's first {mean[first]:.3f}, least {min(mean):.3f})")
+    return f"the shadow's worst layer per seed at step {step} (mean error): {'; '.join(worsts)}"
+
+
 def plot(results: dict[str, list[dict[int, dict[str, float]]]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for fmt, per_job in results.items():
@@ -142,6 +156,8 @@ def main() -> int:
     for fmt, per_job in results.items():
         steps = sorted(set.intersection(*(set(job) for job in per_job)))
         lines += [*table(fmt, per_job, steps), tool_firsts(measured, fmt), ""]
+        lines += [shadow_worsts(jobs, measured, fmt, steps[min(1, len(steps) - 1)]), ""]
+        lines += [shadow_worsts(jobs, measured, fmt, steps[-1]), ""]
     text = "\n".join(lines)
     print(text)
     (out / "shadow_check.md").write_text(text + "\n")
