@@ -4,7 +4,7 @@ compares, per format and seed, each diagnostics step's what-if relative error pe
 `halfprec sensitivity`'s damage (the loss added by that layer alone in the format) on the run's last
 checkpoint.
 
-    python benchmarks/shadow_check.py --sweep DIR [--batches 8] [--out DIR]
+    python benchmarks/shadow_check.py --sweep DIR [--batches 8] [--early-step N] [--out DIR]
 
 1. `halfprec sensitivity <job> --formats <the shadow formats> --batches B` on each finished job that
    has no sensitivity.json yet (it writes sensitivity.md/.json/.png beside the run);
@@ -12,7 +12,9 @@ checkpoint.
    measured (the output head included; not its whole-model row), between the end damage and the
    step's shadow relative error of each operand (input, weight, grad_output) and of their mean; and
    in how many seeds the step's worst layer (by the mean) is the tool's first;
-3. the tables (mean +- std over seeds) to stdout and <out>/shadow_check.md (+ .json), and
+3. with --early-step N, the tool on each job's step-N checkpoint too (<job>/sensitivity_stepN/, where
+   missing), and the rank correlation of that damage with the end's: the tool's own early answer;
+4. the tables (mean +- std over seeds) to stdout and <out>/shadow_check.md (+ .json), and
    <out>/shadow_check.png: the correlation of the mean against step, per format.
 """
 
@@ -121,6 +123,35 @@ def shadow_worsts(jobs: list[Job], sensitivity: list[dict], fmt: str, step: int)
     return f"the shadow's worst layer per seed at step {step} (mean error): {'; '.join(worsts)}"
 
 
+def measure_early(job: Job, formats: list[str], batches: int, step: int) -> dict:
+    """The tool's measurement of the job's step-`step` checkpoint (in <job>/sensitivity_step<step>/)."""
+    out = job.dir / f"sensitivity_step{step}"
+    if not (out / "sensitivity.json").exists():
+        checkpoint = job.dir / "checkpoints" / f"step-{step:08d}.pt"
+        if not checkpoint.exists():
+            sys.exit(f"shadow_check: --early-step {step}: no {checkpoint} (trainer.ckpt_every, ckpt_keep keep which)")
+        command = ["halfprec", "sensitivity", str(checkpoint), "--formats", ",".join(formats), f"--batches={batches}"]
+        subprocess.run([*command, "--out", str(out)], check=True)
+    return json.loads((out / "sensitivity.json").read_text())
+
+
+def early_lines(early: list[dict], end: list[dict], step: int) -> list[str]:
+    """Per format the early measurement holds: Spearman's rho of the tool's damage at `step` with its
+    damage at the end, and what the end's first layer added then and at the end."""
+    lines = [f"**The tool itself at step {step}** (its damage then against its damage at the end):", ""]
+    for fmt in early[0]["formats"]:
+        rho, firsts = [], []
+        for then, last in zip(early, end):
+            before, after = layer_damage(then, fmt), layer_damage(last, fmt)
+            layers = sorted(after)
+            rho.append(float(spearmanr([before[k] for k in layers], [after[k] for k in layers]).statistic))
+            first = max(layers, key=after.__getitem__)
+            top = max(layers, key=before.__getitem__)
+            firsts.append(f"{first} {before[first]:.4f} -> {after[first]:.4f} (first then: {top} {before[top]:.4f})")
+        lines += [f"- {fmt}: rho {mean_std(rho)}; the end's first layer per seed: {'; '.join(firsts)}", ""]
+    return lines
+
+
 def plot(results: dict[str, list[dict[int, dict[str, float]]]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for fmt, per_job in results.items():
@@ -142,6 +173,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", type=Path, required=True, help="a sweep of +experiment=shadow")
     parser.add_argument("--batches", type=int, default=8, help="validation batches the sensitivity tool measures")
+    parser.add_argument("--early-step", type=int, default=None, help="also measure this step's checkpoint")
     parser.add_argument("--out", type=Path, default=None, help="where the tables and the plot go (default: --sweep)")
     args = parser.parse_args()
     out = args.out or args.sweep
@@ -158,6 +190,9 @@ def main() -> int:
         lines += [*table(fmt, per_job, steps), tool_firsts(measured, fmt), ""]
         lines += [shadow_worsts(jobs, measured, fmt, steps[min(1, len(steps) - 1)]), ""]
         lines += [shadow_worsts(jobs, measured, fmt, steps[-1]), ""]
+    if args.early_step is not None:
+        early = [measure_early(job, formats, args.batches, args.early_step) for job in jobs]
+        lines += early_lines(early, measured, args.early_step)
     text = "\n".join(lines)
     print(text)
     (out / "shadow_check.md").write_text(text + "\n")

@@ -57,13 +57,13 @@ def test_compare_ranks_each_operand_and_their_mean_against_the_end_damage():
 @pytest.mark.slow
 def test_the_script_measures_a_tiny_shadow_sweep_and_writes_its_tables(tmp_path):
     sweep = tmp_path / "sweep"
-    overrides = [*GPT, "trainer.max_steps=4", "trainer.val_every=0", "diagnostics.every=2", "seed=0,1",
-                 "diagnostics.shadow=[mxfp4,nvfp4]", "logger=none", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    overrides = [*GPT, "trainer.max_steps=4", "trainer.val_every=0", "trainer.ckpt_every=2", "diagnostics.every=2",
+                 "seed=0,1", "diagnostics.shadow=[mxfp4,nvfp4]", "logger=none", f"hydra.sweep.dir={sweep}"]  # fmt: skip
     trained = subprocess.run([sys.executable, str(TRAIN), "-m", "+experiment=shadow", *overrides], cwd=tmp_path,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     out = tmp_path / "out"
-    cmd = [sys.executable, str(SCRIPT), "--sweep", str(sweep), "--batches", "1", "--out", str(out)]
+    cmd = [sys.executable, str(SCRIPT), "--sweep", str(sweep), "--batches", "1", "--early-step", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (out / "shadow_check.md").read_text()
@@ -75,4 +75,8 @@ def test_the_script_measures_a_tiny_shadow_sweep_and_writes_its_tables(tmp_path)
             "| 1", "| 2", "| 4"]  # fmt: skip
         assert all(line.endswith("of 2 |") for line in table.splitlines() if line[:3] in ("| 1", "| 2", "| 4"))
     assert all((job / "sensitivity.json").exists() for job in sweep.glob("*_*"))
+    # --early-step 2: the tool on each job's step-2 checkpoint, against its own end ranking
+    assert all((job / "sensitivity_step2" / "sensitivity.json").exists() for job in sweep.glob("*_*"))
+    early = text.split("**The tool itself at step 2**")[1]
+    assert "- mxfp4: rho " in early and "- nvfp4: rho " in early and "the end's first layer per seed" in early
     assert (out / "shadow_check.png").stat().st_size > 0 and (out / "shadow_check.json").exists()
