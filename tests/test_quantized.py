@@ -180,9 +180,9 @@ def test_1x128_blocks_scale_each_128_long_chunk_of_the_contraction():
 def test_a_cpu_with_bf16_units_multiplies_the_exact_operands_in_bf16(monkeypatch):
     """oneDNN's bf16 math converts fp32 operands to bf16: lossless for the formats' values (its sums
     then as close to the exact product as fp32's), lossy for other numbers: it is on inside the
-    layer's GEMMs alone. Skipped on a CPU without bf16 units, where the GEMMs stay fp32."""
-    if not quantized.native_bf16(quantized.cpu_flags()):
-        pytest.skip("no bf16 units on this CPU (AVX512-BF16, AMX): its quantized GEMMs are fp32")
+    layer's GEMMs alone. Skipped where the mode does not take effect (no AMX), where the GEMMs stay fp32."""
+    if not quantized.cpu_bf16():
+        pytest.skip("oneDNN's bf16 math mode does not take effect on this CPU (no AMX): its quantized GEMMs are fp32")
     monkeypatch.setattr(quantized, "cpu_bf16", lambda: True)
     g = torch.Generator().manual_seed(0)
     raw = torch.randn(256, 512, generator=g), torch.randn(512, 256, generator=g)

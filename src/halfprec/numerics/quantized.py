@@ -335,7 +335,14 @@ def product(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> torch.Tensor:
 
 @functools.cache
 def cpu_bf16() -> bool:
-    return native_bf16(cpu_flags()) is True
+    """Whether oneDNN's bf16 math mode takes effect on this CPU's fp32 GEMMs. bf16 units are not enough:
+    on an AMD EPYC with AVX512-BF16 (no AMX) torch 2.14 keeps them IEEE fp32 under the mode (measured),
+    so a probe decides: 1 + 2^-10, not a bf16 value, comes back as 1 only where the mode rounds."""
+    if native_bf16(cpu_flags()) is not True:
+        return False
+    ones = torch.full((32, 32), 1 + 2**-10)
+    with onednn_bf16_math():
+        return bool((ones @ torch.eye(32) == 1).all())
 
 
 @contextlib.contextmanager
@@ -358,6 +365,8 @@ def gemm_note(device_type: str) -> str:
         return f"{exact}: tensor cores"
     if device_type == "cpu" and cpu_bf16():
         return f"{exact}: oneDNN on the CPU's bf16 units"
+    if device_type == "cpu" and native_bf16(cpu_flags()):
+        return "quantized GEMMs: fp32 operands and sums (oneDNN's bf16 math does not take effect on this CPU: no AMX)"
     return "quantized GEMMs: fp32 operands and sums (no bf16 units on this CPU)"
 
 
