@@ -102,10 +102,8 @@ def table(fmt: str, per_job: list[dict[int, dict[str, float]]], steps: list[int]
 def tool_firsts(sensitivity: list[dict], fmt: str) -> str:
     firsts = []
     for measured in sensitivity:
-        rows = sorted(
-            (r for r in measured["rows"] if r["format"] == fmt and r["layer"] != WHOLE), key=lambda r: -r["damage"]
-        )
-        firsts.append(f"{rows[0]['layer']} ({rows[0]['damage']:.4f}; next {rows[1]['damage']:.4f})")
+        (first, most), (_, next_most) = sorted(layer_damage(measured, fmt).items(), key=lambda kv: -kv[1])[:2]
+        firsts.append(f"{first} ({most:.4f}; next {next_most:.4f})")
     return f"the tool's first layer per seed: {'; '.join(firsts)}"
 
 

@@ -174,7 +174,7 @@ def fixed_groups() -> Iterator[tuple[str, list[tuple]]]:
     yield "precision.schedule: each phase", dataclass_rows(schema.Phase, {}, {})
     for group, variants in (("scaler", schema.SCALERS), ("sched", schema.SCHEDULES)):
         for option, cls in variants.items():
-            values = as_dict(compose("train", overrides=[f"{group}={option}"]))[group]
+            values = option_values(group, option)
             yield f"{group}={option}", dataclass_rows(cls, values, yaml_comments(CONF / group / f"{option}.yaml"))
     for group, cls, option in (("trainer", schema.Trainer, "default"), ("diagnostics", schema.Diagnostics, "none")):
         yield group, dataclass_rows(cls, cfg[group], yaml_comments(CONF / group / f"{option}.yaml"))

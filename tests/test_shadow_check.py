@@ -40,7 +40,7 @@ def test_compare_ranks_each_operand_and_their_mean_against_the_end_damage():
     rows = [
         # step 20: every operand ranks a > b > c, as the damage does
         shadow_row(20, {"a": (0.3, 0.2, 0.5), "b": (0.2, 0.1, 0.4), "c": (0.1, 0.0, 0.3)}),
-        # step 40: inputs reversed; weights as the damage; grad_output ties b and c's mean order: c worst
+        # step 40: inputs and output gradients reversed, weights as the damage; by the mean, c is worst
         shadow_row(40, {"a": (0.1, 0.3, 0.1), "b": (0.2, 0.2, 0.2), "c": (0.3, 0.1, 0.9)}),
         {"step": 30, "train/loss": 2.0},  # not a diagnostics step: left out
     ]
