@@ -1,4 +1,4 @@
-"""Extending a fork: the short extensions the README promises, each made in a temporary copy of
+"""Extending a fork: the extensions docs/guide/extending.md promises, each made in a temporary copy of
 the repository and trained there from the command line (docs/design.md, "Layers")."""
 
 from __future__ import annotations
@@ -331,3 +331,69 @@ def test_an_optimizer_is_a_class_plus_a_yaml_and_its_memory_is_measured(fork, tm
     assert bench.returncode == 0, bench_err[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["per_param"]["optimizer_state"] == 4  # bytes per parameter
+
+
+# A number format: one line in the registry, from an element that exists (MX's E2M1 in 16-value blocks).
+MY_FORMAT = '        Format("mxfp4_b16", E["e2m1"], 16, "e8m0"),  # MXFP4 in NVFP4-sized blocks\n'
+FORMAT_ANCHOR = '        Format("mxfp4", E["e2m1"], 32, "e8m0"),\n'
+
+
+@pytest.mark.slow  # ~15 s: a run in the new format and a config error in the copy
+def test_a_number_format_is_one_line_in_the_registry(fork):
+    add_after(fork / "src" / "halfprec" / "numerics" / "formats" / "__init__.py", FORMAT_ANCHOR, MY_FORMAT)
+    common = ["precision=mxfp4", "model.hidden=[64,64]", "trainer.val_every=0"]
+    result = train(fork, *common, "precision.format=mxfp4_b16", "hydra.run.dir=runs/format")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((fork / "runs" / "format" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    rows = [json.loads(line) for line in (fork / "runs" / "format" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["precision/layers/mxfp4_b16"] == 2  # the two hidden layers; the head stays high
+    bad = train(fork, *common, "precision.format=mxfp4_b17", "hydra.run.dir=runs/bad_format")
+    assert bad.returncode == 2 and "mxfp4_b16" in bad.stderr, bad.stderr[-3000:]  # listed among the formats
+
+
+# A logger: one file in loggers/ (registered when the package is imported) and a YAML with its keys.
+MY_LOGGER = '''"""Every n-th row's train/loss as a line of text, for the test that a logger is one file plus a YAML."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from halfprec.loggers import RunInfo, register_logger
+from halfprec.spec import Spec
+
+
+@register_logger("lines", "Lines", package="json", install="(part of Python)")
+class LinesSink:
+    def __init__(self, run: RunInfo, *, every: Annotated[int, Spec(low=1, doc="keep every n-th row")] = 1):
+        self.file = open(run.dir / "lines.txt", "a", encoding="utf-8")
+        self.every, self.seen = every, 0
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.seen += 1
+        if "train/loss" in row and self.seen % self.every == 0:
+            self.file.write(f"{row['step']} {row['train/loss']}\\n")
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.file.write(f"end {summary['status']}\\n")
+        self.file.close()
+
+    def abandon(self) -> None:
+        self.file.close()
+
+    def state(self) -> dict[str, Any]:
+        return {}
+'''
+MY_LOGGER_YAML = "# every n-th row's train/loss in <run dir>/lines.txt\nlines:\n  every: 1\n"
+
+
+@pytest.mark.slow  # ~10 s: a run with the logger and a config error in the copy
+def test_a_logger_is_one_file_plus_a_yaml(fork):
+    (fork / "src" / "halfprec" / "loggers" / "lines.py").write_text(MY_LOGGER)
+    (fork / "conf" / "logger" / "lines.yaml").write_text(MY_LOGGER_YAML)
+    result = train(fork, "logger=lines", "trainer.log_every=1", "hydra.run.dir=runs/logger")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (fork / "runs" / "logger" / "lines.txt").read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["1", "2", "3", "4", "5", "end"] and lines[-1] == "end completed"
+    bad = train(fork, "logger=lines", "logger.lines.every=0", "hydra.run.dir=runs/bad_logger")
+    assert bad.returncode == 2 and "logger.lines.every=0" in bad.stderr, bad.stderr[-3000:]

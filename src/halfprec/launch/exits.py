@@ -4,7 +4,7 @@
 instead of printing its own multi-line reports, so that every failure reaches this module and is
 printed as one line: the key, the value and what would work. Only a bug (an exception that is none
 of ours) prints a traceback. Kept free of torch: a config error answers without importing it.
-The exit codes are listed in README.md, "Errors".
+The exit codes are listed in docs/guide/errors.md.
 """
 
 from __future__ import annotations
@@ -249,6 +249,11 @@ def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[i
         return CONFIG, f"error: {err.override}: not an override Hydra can read ({syntax}); {fix}"
     if isinstance(err, ValueError) and str(err).startswith("Config group override must be a string"):
         return CONFIG, "error: " + number_for_option(conf_dir, argv)  # trainer=5: Hydra read 5 as a number
+    if isinstance(err, ValueError) and str(err).startswith("Only one of --run, --multirun, --cfg"):
+        return CONFIG, (
+            "error: -m with --cfg or --info: Hydra takes one of them at a time; to see the config a sweep's job "
+            "composes, give one value per key without -m: python train.py <overrides> --cfg job"
+        )
     if not isinstance(err, HydraException):
         return None
     found = NOT_IN_CONFIG.search(str(err))
