@@ -5,7 +5,7 @@
                                        [--clip-grad-norm X] [--threads T] [--json OUT.json]
                                        [--markdown OUT.md] [--no-malloc-tuning]
 
-See benchmarks/README.md for what is measured how, and measured tables.
+See docs/benchmarks.md for what is measured how, and measured tables.
 
 Every contender trains the same model (one build, deep-copied), on the same batches, with the same
 optimizer and hyperparameters, in the same precision mode:

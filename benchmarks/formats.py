@@ -5,7 +5,7 @@
                                  [--model gpt2|llama] [--model-overrides KEY=VALUE ...] [--quick]
                                  [--quantizer compiled|eager] [--json OUT.json] [--markdown OUT.md] [--no-malloc-tuning]
 
-See benchmarks/README.md for what is measured how.
+See docs/benchmarks.md for what is measured how.
 
 Every mode is `halfprec.training.build.build(cfg)` of `task=lm precision=<mode>` (the same seed, so
 the same initial weights), stepped by its `stepper` on the same training micro-batches in the same

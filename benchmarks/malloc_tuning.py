@@ -1,4 +1,4 @@
-"""The glibc malloc setting the CPU benchmarks run under (benchmarks/README.md, "The allocator
+"""The glibc malloc setting the CPU benchmarks run under (docs/benchmarks.md, "The allocator
 setting"): large CPU tensors are otherwise mmapped and unmapped every step, and page faults take
 12-36% of a step. No torch here: a script re-executes itself before it imports torch."""
 

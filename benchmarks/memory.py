@@ -5,7 +5,7 @@
                                 [--steps N] [--override KEY=VALUE ...] [--quick] [--json OUT.json]
                                 [--markdown OUT.md]
 
-See benchmarks/README.md for what is measured how, and measured tables.
+See docs/benchmarks.md for what is measured how, and measured tables.
 
 For each (model, precision mode): `halfprec.training.build.build(cfg)` builds the components, then
 steps of its `stepper` run on fresh synthetic batches of the workload's size (the workloads

@@ -4,11 +4,15 @@ and meaning (config/schema.py and numerics/quantized.Recipe, the defaults of the
 the meaning from the key's Spec or else its YAML comment), each registered component's keys (its
 factory's annotated arguments) and the number formats (numerics/formats.FORMATS).
 
-    python scripts/config_reference.py          # rewrite docs/reference/config.md
-    python scripts/config_reference.py --check  # exit 1 if the file is not what the code says
+It also fills the generated tables of hand-written pages (README.md, docs/**/*.md): the region from
+`<!-- generated: NAME -->` to `<!-- end generated -->` gets the table NAME of `TABLES` (the formats, the
+config groups, the experiments), so that no page copies a fact the code holds by hand.
 
-tests/test_reference.py fails when the file is stale: a key, a default or an option changed without
-rerunning this.
+    python scripts/config_reference.py          # rewrite docs/reference/config.md and the generated tables
+    python scripts/config_reference.py --check  # exit 1 if any of them is not what the code says
+
+tests/test_reference.py fails when one is stale: a key, a default, an option or a format changed
+without rerunning this.
 """
 
 from __future__ import annotations
@@ -118,10 +122,10 @@ def leading_comment(path: Path) -> str:
     """An option's YAML comment, up to its first example command or blank comment line."""
     words = []
     for line in path.read_text().splitlines():
-        if not line.startswith("#") or line.startswith("#   ") or line.strip() == "#":
-            if words or not line.startswith("# @package"):
-                break
+        if line.startswith("# @package") and not words:
             continue
+        if not line.startswith("#") or line.startswith("#   ") or line.strip() == "#":
+            break
         words.append(line.lstrip("#").strip())
     return " ".join(words)
 
@@ -241,21 +245,19 @@ def components_section() -> list[str]:
     return [*lines, ""]
 
 
-def formats_section() -> list[str]:
+def formats_table() -> list[str]:
+    """The formats registry as a table; also what the guide's `generated: formats` region holds."""
     from halfprec.numerics.formats import FORMATS
 
-    lines = ["## Number formats", "",
-             "`precision.format`, `precision.rules[*].format`, `precision.recipe.grad_format/forward/dgrad/wgrad`, "
-             "`precision.schedule[*].format` and `diagnostics.shadow` take these names "
-             "(halfprec/numerics/formats/__init__.py).", "",
-             "| format | element | block (values per scale) | scale | bits per value | weight tile "
+    lines = ["| format | element | largest element | block (values per scale) | scale | bits per value | weight tile "
              "| bf16 holds a GEMM operand exactly |",
-             "|---|---|---|---|---:|---|---|"]  # fmt: skip
+             "|---|---|---:|---|---|---:|---|---|"]  # fmt: skip
     for name, fmt in FORMATS.items():
         tile = f"{fmt.tile}x{fmt.tile}" if fmt.tile else ""
         row = [
             f"`{name}`",
             fmt.element.name.upper(),
+            f"{fmt.element.max:.7g}",
             fmt.block,
             fmt.scale,
             f"{fmt.bits:g}",
@@ -263,7 +265,61 @@ def formats_section() -> list[str]:
             "yes" if fmt.exact_in_bf16 else "no",
         ]
         lines.append("| " + " | ".join(cell(v) for v in row) + " |")
-    return [*lines, ""]
+    return lines
+
+
+def formats_section() -> list[str]:
+    intro = ("`precision.format`, `precision.rules[*].format`, `precision.recipe.grad_format/forward/dgrad/wgrad`, "
+             "`precision.schedule[*].format` and `diagnostics.shadow` take these names "
+             "(halfprec/numerics/formats/__init__.py).")  # fmt: skip
+    return ["## Number formats", "", intro, "", *formats_table(), ""]
+
+
+def groups_table() -> list[str]:
+    """README's table of the config groups: each group's default and its options."""
+    defaults = train_defaults()
+    lines = ["| group | default | options |", "|---|---|---|"]
+    for group in group_order():
+        if group == "task_optim":  # chosen by task and optim together, never on the command line
+            continue
+        options = sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+        default = defaults.get(group) or defaults.get(f"optional {group}")
+        chosen = f"`{default}`" if default else f"(none: `+{group}=...`)"
+        lines.append(f"| `{group}` | {chosen} | {', '.join(options)} |")
+    return lines
+
+
+def experiments_table() -> list[str]:
+    """The shipped experiments, `python train.py -m +experiment=<name>`, with each file's comment."""
+    lines = ["| `+experiment=` | what it runs |", "|---|---|"]
+    for path in sorted((CONF / "experiment").glob("*.yaml")):
+        lines.append(f"| `{path.stem}` | {cell(leading_comment(path))} |")
+    return lines
+
+
+TABLES: dict[str, Callable[[], list[str]]] = {
+    "formats": formats_table,
+    "groups": groups_table,
+    "experiments": experiments_table,
+}
+# A region of a hand-written page that this script fills: `<!-- generated: NAME -->` up to `<!-- end generated -->`
+GENERATED = re.compile(r"(<!-- generated: ([a-z_]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+
+def fill(text: str, where: Path) -> str:
+    def table(match: re.Match) -> str:
+        if match[2] not in TABLES:
+            raise SystemExit(f"{where}: no generated table {match[2]!r}; the tables are {', '.join(TABLES)}")
+        return match[1] + "\n".join(TABLES[match[2]]()) + "\n" + match[4]
+
+    return GENERATED.sub(table, text)
+
+
+def outputs() -> dict[Path, str]:
+    """Every file this script writes, with what it should hold: the reference, and the pages with generated regions."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = {p: p.read_text() for p in pages if p.is_file() and p != OUT}
+    return {OUT: reference()} | {p: fill(text, p) for p, text in found.items() if GENERATED.search(text)}
 
 
 def reference() -> str:
@@ -274,18 +330,17 @@ def reference() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/reference/config.md is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a generated file or table is stale")
     args = parser.parse_args()
-    text = reference()
+    stale = {path: text for path, text in outputs().items() if not path.exists() or path.read_text() != text}
     if args.check:
-        current = OUT.read_text() if OUT.exists() else ""
-        if current != text:
-            print(f"{OUT.relative_to(REPO)} is stale: run python scripts/config_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(REPO)}")
+        for path in stale:
+            print(f"{path.relative_to(REPO)} is stale: run python scripts/config_reference.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in stale.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path.relative_to(REPO)}")
     return 0
 
 

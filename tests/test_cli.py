@@ -306,7 +306,7 @@ def test_promised_command_runs(command, runs):
     assert summary["scaler/skipped_steps"] == 0 and summary["val/acc"] == rows[-1]["val/acc"]
 
 
-# Dashboards and sweeps rely on these names (docs/design.md, "Metrics", and the README's list).
+# Dashboards and sweeps rely on these names (docs/design.md, "Metrics", and docs/guide/loggers.md's list).
 TRAIN_METRICS = {"train/loss", "train/lr", "train/grad_norm"}
 SCALER_METRICS = {"scaler/scale", "scaler/skipped", "scaler/skipped_steps", "scaler/growths", "scaler/backoffs"}
 SCALER_METRICS |= {"scaler/overflow_rate"}

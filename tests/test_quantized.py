@@ -353,8 +353,8 @@ def test_a_plan_with_nothing_to_quantize_names_its_cause(overrides, message):
 
 
 def test_recipe_switches_apply_to_the_formats_that_can_use_them():
-    """The README's example: the attention in mxfp8, the rest in nvfp4 with its whole recipe. Square
-    weight blocks reach the nvfp4 layers alone (mxfp8 has none), the other switches every quantized
+    """The rules example of docs/guide/layers.md: the attention in mxfp8, the rest in nvfp4 with its whole
+    recipe. Square weight blocks reach the nvfp4 layers alone (mxfp8 has none), the other switches every quantized
     layer, and the start of the run says so."""
     rules = "precision.rules=[{match: '*.attn.*', format: mxfp8}, {match: 'blocks.0.*', format: high}]"
     c = build(compose_cfg(*GPT, "precision=nvfp4", rules))

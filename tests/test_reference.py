@@ -50,7 +50,8 @@ def test_every_key_option_and_format_is_there_with_the_default_runs_value(text):
     options = section(text, "Groups and options", "precision")
     for path in (SCRIPT.parents[1] / "conf" / "precision").glob("*.yaml"):
         assert f"| `{path.stem}` |" in options
-    assert "| `nvfp4` | E2M1 | 16 | nvfp4 | 4.5 | 16x16 | yes |" in text
+    assert "| `nvfp4` | E2M1 | 6 | 16 | nvfp4 | 4.5 | 16x16 | yes |" in text
+    assert "| `mxint8` | INT8 | 1.984375 | 32 | e8m0 | 8.25 |  | yes |" in text  # 127/64
     # a component's key with its Spec's doc and the value its option sets
     assert "| `n_layer` | an integer >= 1 | `4` | transformer blocks |" in text
     assert "| `gemms` | a non-empty list of values | `[forward, dgrad, wgrad]` |" in section(
@@ -71,3 +72,33 @@ def test_check_fails_on_a_stale_file_and_passes_on_a_fresh_one(generator, text, 
     assert generator.main() == 0 and out.read_text() == text
     monkeypatch.setattr(sys, "argv", ["config_reference.py", "--check"])
     assert generator.main() == 0
+
+
+def test_a_pages_generated_table_is_filled_from_the_code_and_checked(generator, tmp_path, monkeypatch, capsys):
+    """A hand-written page holds no copy of a fact the code holds: its marked region is the generator's."""
+    page = tmp_path / "docs" / "guide" / "page.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# A page\n\n<!-- generated: formats -->\n| old | table |\n<!-- end generated -->\n\nprose\n")
+    monkeypatch.setattr(generator, "REPO", tmp_path)
+    monkeypatch.setattr(generator, "OUT", tmp_path / "docs" / "reference" / "config.md")
+    monkeypatch.setattr(generator, "reference", lambda: "reference\n")
+    monkeypatch.setattr(sys, "argv", ["config_reference.py", "--check"])
+    assert generator.main() == 1
+    assert "docs/guide/page.md is stale" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["config_reference.py"])
+    assert generator.main() == 0
+    filled = page.read_text()
+    assert "| old | table |" not in filled and filled.endswith("<!-- end generated -->\n\nprose\n")
+    assert "| `nvfp4` | E2M1 | 6 | 16 | nvfp4 | 4.5 | 16x16 | yes |" in filled
+    monkeypatch.setattr(sys, "argv", ["config_reference.py", "--check"])
+    assert generator.main() == 0
+    page.write_text("<!-- generated: colours -->\n<!-- end generated -->\n")
+    with pytest.raises(SystemExit, match="no generated table 'colours'; the tables are formats, groups, experiments"):
+        generator.main()
+
+
+def test_the_groups_table_lists_every_option_and_the_default(generator):
+    rows = {line.split(" | ")[0].strip("| `"): line for line in generator.groups_table()[2:]}
+    assert rows["precision"].startswith("| `precision` | `fp32` |") and "nvfp4" in rows["precision"]
+    assert rows["experiment"].startswith("| `experiment` | (none: `+experiment=...`) |")
+    assert "task_optim" not in rows
