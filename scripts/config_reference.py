@@ -127,7 +127,7 @@ def leading_comment(path: Path) -> str:
         if not line.startswith("#") or line.startswith("#   ") or line.strip() == "#":
             break
         words.append(line.lstrip("#").strip())
-    return " ".join(words)
+    return " ".join(words).rstrip(":")  # a comment that goes on into an example command ends in a colon
 
 
 def train_defaults() -> dict[str, Any]:
