@@ -40,13 +40,19 @@ OPERANDS = ("input", "weight", "grad_output")
 SCORES = (*OPERANDS, "mean")
 
 
-def measure(job: Job, formats: list[str], batches: int) -> dict:
-    """The job's sensitivity.json, measured first where it is missing."""
-    path = job.dir / "sensitivity.json"
+def run_sensitivity(target: Path, formats: list[str], batches: int, out: Path) -> dict:
+    """`halfprec sensitivity` of a run dir or checkpoint, writing into `out`; its sensitivity.json, read
+    back without measuring again when `out` holds one already."""
+    path = out / "sensitivity.json"
     if not path.exists():
-        command = ["halfprec", "sensitivity", str(job.dir), "--formats", ",".join(formats), f"--batches={batches}"]
-        subprocess.run(command, check=True)
+        command = ["halfprec", "sensitivity", str(target), "--formats", ",".join(formats), f"--batches={batches}"]
+        subprocess.run([*command, "--out", str(out)], check=True)
     return json.loads(path.read_text())
+
+
+def measure(job: Job, formats: list[str], batches: int) -> dict:
+    """The tool on the job's newest checkpoint, beside the run (sensitivity.md/.json/.png in its dir)."""
+    return run_sensitivity(job.dir, formats, batches, job.dir)
 
 
 def shadow_scores(job: Job, fmt: str, layers: list[str]) -> dict[int, dict[str, list[float]]]:
@@ -124,13 +130,10 @@ def shadow_worsts(jobs: list[Job], sensitivity: list[dict], fmt: str, step: int)
 def measure_early(job: Job, formats: list[str], batches: int, step: int) -> dict:
     """The tool's measurement of the job's step-`step` checkpoint (in <job>/sensitivity_step<step>/)."""
     out = job.dir / f"sensitivity_step{step}"
-    if not (out / "sensitivity.json").exists():
-        checkpoint = job.dir / "checkpoints" / f"step-{step:08d}.pt"
-        if not checkpoint.exists():
-            sys.exit(f"shadow_check: --early-step {step}: no {checkpoint} (trainer.ckpt_every, ckpt_keep keep which)")
-        command = ["halfprec", "sensitivity", str(checkpoint), "--formats", ",".join(formats), f"--batches={batches}"]
-        subprocess.run([*command, "--out", str(out)], check=True)
-    return json.loads((out / "sensitivity.json").read_text())
+    checkpoint = job.dir / "checkpoints" / f"step-{step:08d}.pt"
+    if not (out / "sensitivity.json").exists() and not checkpoint.exists():
+        sys.exit(f"shadow_check: --early-step {step}: no {checkpoint} (trainer.ckpt_every, ckpt_keep keep which)")
+    return run_sensitivity(checkpoint, formats, batches, out)
 
 
 def early_lines(early: list[dict], end: list[dict], step: int) -> list[str]:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from markdown.extensions.toc import slugify
 
 TIMEOUT_S = 600  # per command
 TAIL_LINES = 30  # of stdout and of stderr in a failure message
@@ -516,12 +517,6 @@ def test_run_short_training(tmp_path: Path) -> None:
 LINK_RE = re.compile(r"\]\((?P<target>[^)\s]+)\)")
 
 
-def slug(heading: str) -> str:
-    """A heading's anchor as mkdocs' toc extension makes it (lowercase, punctuation dropped, dashes)."""
-    kept = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
-    return re.sub(r"[-\s]+", "-", kept)
-
-
 def broken_links(page: Path) -> list[str]:
     broken = []
     for target in LINK_RE.findall(page.read_text(encoding="utf-8")):
@@ -533,7 +528,7 @@ def broken_links(page: Path) -> list[str]:
             broken.append(f"{target}: no such file")
         elif anchor and file.suffix == ".md":
             headings = [line.lstrip("#").strip() for line in file.read_text().splitlines() if line.startswith("#")]
-            if anchor not in {slug(h) for h in headings}:
+            if anchor not in {slugify(h, "-") for h in headings}:  # the anchors mkdocs' toc makes
                 broken.append(f"{target}: no heading with that anchor in {path or page.name}")
     return broken
 
