@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from halfprec.config import objective_of, validate
 from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
+from halfprec.launch.continuing import say_if_new_run_dir, skipped_job
 from halfprec.launch.exits import check_not_a_lone_sweep, in_sweep, job_errors, run_cli
 from halfprec.launch.objective import sweep_value
 from halfprec.launch.resolvers import register_resolvers
@@ -23,14 +24,17 @@ def main(cfg: DictConfig) -> float:
         join_job_tasks()  # a submitit job of several tasks: one distributed run, as under torchrun
         check_not_a_lone_sweep()  # +experiment=formats without -m
         validate(cfg)  # a bad value fails before any data or model is built
-        from halfprec.training.run import run
+        say_if_new_run_dir(cfg)  # resume=auto without hydra.run.dir
+        summary = skipped_job(cfg)  # a sweep continued with resume=auto: a job that finished is not run again
+        if summary is None:
+            from halfprec.training.run import run
 
-        try:
-            summary = run(cfg, HydraConfig.get().runtime.output_dir, validated=True)
-        except TrainingAborted:
-            if not in_sweep():
-                raise
-            summary = None  # diverged: a result for the sweep (recorded as diverged), the worst for a search
+            try:
+                summary = run(cfg, HydraConfig.get().runtime.output_dir, validated=True)
+            except TrainingAborted:
+                if not in_sweep():
+                    raise
+                summary = {"status": "diverged"}  # a result for the sweep: the worst objective for a search
     return sweep_value(*objective_of(cfg), summary)  # the objective, for a sweeper (hparams_search=optuna)
 
 

@@ -216,6 +216,22 @@ def test_a_path_without_runs_is_a_one_line_error(tmp_path, kind):
     assert "expected a run dir (with metrics.jsonl or .hydra/), a multirun sweep dir" in line
 
 
+def test_a_dir_holding_two_sweeps_is_refused_rather_than_mixed(tmp_path):
+    """Two launches into one hydra.sweep.dir (before train.py refused that) number their jobs from 0
+    both: the report says so instead of averaging one sweep's jobs into the other's groups."""
+    root = tmp_path / "sweep"
+    write_sweep(root, [FakeJob({"precision": p, "seed": s}, decay(0.1)) for p in ("fp32", "bf16") for s in "01"])
+    write_sweep(root, [FakeJob({"precision": "fp32", "seed": "0", "trainer.max_steps": "100"}, decay(0.5))])
+    result = report(str(root))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        f"halfprec report: error: {root}: holds the jobs of more than one sweep (job 0 is both "
+        "0_precision=fp32,seed=0 and 0_precision=fp32,seed=0,trainer.max_steps=100); their statistics would mix: "
+        "move each sweep's <n>_<overrides> dirs into a dir of their own and report each"
+    )
+    assert len(find_jobs(root / "0_precision=fp32,seed=0")) == 1  # one job dir still reports
+
+
 def test_a_job_with_no_end_recorded_is_running(started, tmp_path):
     single = started["single"].result().check()
     run_dir = tmp_path / "run"

@@ -129,6 +129,18 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_a_missing_path_is_an_
         run(compose_cfg(f"resume={tmp_path}/nope.pt"), tmp_path / "other")
 
 
+def test_resume_auto_in_a_new_run_dir_says_it_continues_nothing(tmp_path):
+    """resume=auto without hydra.run.dir: Hydra makes a new dir, so the line says how to continue a run."""
+    cmd = [sys.executable, str(TRAIN), "logger=none", "trainer.max_steps=2", "model.hidden=[16]", "resume=auto"]
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
+    assert (
+        f"resume=auto: {run_dir} is a new run dir, with nothing to continue: training starts at step 0; to continue "
+        "a run, add hydra.run.dir=<its dir> (its line 'run dir: ...')"
+    ) in result.stderr.splitlines()
+
+
 OLD_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint-80b0cad-bf16_pure_kahan.pt"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TRAIN, read_jsonl
+from conftest import CHEAP, REPO, TRAIN, read_jsonl
 
 import wandb_records
 from helpers import signalled
@@ -198,8 +199,115 @@ def test_ctrl_c_stops_the_sweep_after_the_running_jobs_checkpoint(tmp_path):
     command = "python train.py seed=0 logger=none trainer.max_steps=100000 trainer.progress=False"  # as Hydra keeps it
     assert f"saved {ckpt}; continue with: {command} {shlex.quote(f'hydra.run.dir={job_dir}')} resume=auto" in err
     lines = err.strip().splitlines()
-    assert lines[-2] == "sweep stopped at job 0: the jobs after it did not run"
+    assert lines[-3] == "sweep stopped at job 0: the jobs after it did not run"
+    assert lines[-2] == (
+        "continue the sweep with: python train.py -m seed=0,1 logger=none trainer.max_steps=100000 "
+        f"trainer.progress=false {shlex.quote(f'hydra.sweep.dir={sweep_dir}')} resume=auto"
+    )
     assert lines[-1] == f"sweep: 1 stopped; {sweep_dir / 'sweep.jsonl'} (exit 4)"
+
+
+def pasted(line: str) -> list[str]:
+    """The command a `continue ... with: python train.py ...` line prints, as this test's python runs it."""
+    args = shlex.split(line.split(": ", 1)[1])
+    assert args[:2] == ["python", "train.py"], line
+    return [sys.executable, str(TRAIN), *args[2:]]
+
+
+def stop_during_job(cmd: list[str], sweep_dir: Path, job: int, cwd: Path) -> str:
+    """Start a sweep, Ctrl-C it once job `job` has logged a row; its stderr (exit 4 checked)."""
+    with signalled(cmd, cwd=cwd, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.monotonic() + 300
+        while not any(path.read_text() for path in sweep_dir.glob(f"{job}_*/metrics.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, f"job {job} did not start"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err[-3000:]
+    return err
+
+
+@pytest.mark.slow
+def test_the_same_command_with_resume_auto_continues_a_stopped_sweep(tmp_path):
+    """Ctrl-C during job 1 of 3, then the command the sweep printed: job 0 is skipped, job 1 resumes
+    from its checkpoint, job 2 runs; every job ends completed, in the dirs of the first launch."""
+    sweep_dir = tmp_path / "multi"
+    overrides = ["seed=0,1,2", "logger=none", "trainer.max_steps=300", "trainer.progress=false", "model.hidden=[16]"]
+    cmd = [sys.executable, str(TRAIN), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    err = stop_during_job(cmd, sweep_dir, 1, tmp_path)
+    before = {line["job"]: line for line in read_jsonl(sweep_dir / "sweep.jsonl")}
+    assert [before[j]["status"] for j in sorted(before)] == ["completed", "stopped"]
+    job_dirs = {j: Path(line["dir"]) for j, line in before.items()}
+
+    again = subprocess.run(pasted(err.strip().splitlines()[-2]), cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = read_jsonl(sweep_dir / "sweep.jsonl")
+    latest = {line["job"]: line for line in lines}
+    assert [latest[j]["status"] for j in range(3)] == ["completed"] * 3
+    assert {j: Path(latest[j]["dir"]) for j in (0, 1)} == job_dirs  # the same dirs: resume=auto is not in their names
+    assert sorted(p.name.split("_", 1)[0] for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1", "2"]
+    assert f"resume=auto: {job_dirs[0]} completed before, at step 300: skipped" in again.stderr
+    step, ckpt = re.search(r"Ctrl-C at step (\d+): saved (\S+);", before[1]["error"]).groups()
+    assert f"resume: from {ckpt} at step {step} of 300" in again.stderr
+    steps = [row["step"] for row in read_jsonl(job_dirs[1] / "metrics.jsonl") if "train/loss" in row]
+    assert steps == sorted(set(steps)) and steps[-1] == 300  # one unbroken run, each row once
+    assert again.stderr.strip().splitlines()[-1] == f"sweep: 3 completed; {sweep_dir / 'sweep.jsonl'} (exit 0)"
+
+
+@pytest.mark.slow
+def test_a_stopped_optuna_search_continues_with_the_same_trials(tmp_path):
+    """The continued search replays the study (the sampler is seeded; finished trials return their
+    recorded value without training): trials 0 and 1 get the same values and dirs, 1 resumes, 2 runs."""
+    sweep_dir = tmp_path / "multi"
+    overrides = ["hparams_search=optuna", "hydra.sweeper.n_trials=3", "logger=none", "model.hidden=[16]",
+                 "trainer.max_steps=300", "trainer.progress=false"]  # fmt: skip
+    err = stop_during_job([sys.executable, str(TRAIN), "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"], sweep_dir,
+                          1, tmp_path)  # fmt: skip
+    before = {line["job"]: line for line in read_jsonl(sweep_dir / "sweep.jsonl")}
+    again = subprocess.run(pasted(err.strip().splitlines()[-2]), cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    latest = {line["job"]: line for line in read_jsonl(sweep_dir / "sweep.jsonl")}
+    assert [latest[j]["status"] for j in range(3)] == ["completed"] * 3
+    for job in (0, 1):
+        assert latest[job]["overrides"] == [*before[job]["overrides"], "resume=auto"]
+        assert latest[job]["dir"] == before[job]["dir"]
+    assert latest[0]["val/acc"] == before[0]["val/acc"] and "skipped" in again.stderr
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert best["best_value"] == max(latest[j]["val/acc"] for j in range(3))
+
+
+def test_a_sweep_dir_keeps_one_sweep(cli, tmp_path):
+    """A second sweep into the same dir is refused (its jobs would be numbered from 0 again, and the
+    report and sweep.jsonl would mix them); the same sweep again needs resume=auto, which skips
+    what finished."""
+    first = cli.run("seed=0,1", "logger=none", "model.hidden=[16]", multirun=True).check()
+    sweep_dir = first.sweep_dir
+
+    def launch(seeds: str, *extra: str) -> subprocess.CompletedProcess:
+        args = [sys.executable, str(TRAIN), "-m", *CHEAP, seeds, "logger=none", "model.hidden=[16]"]
+        args += [f"hydra.sweep.dir={sweep_dir}", *extra]
+        return subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    other = launch("seed=0,2")
+    assert other.returncode == 2
+    assert other.stderr.strip() == (
+        f"error: hydra.sweep.dir={sweep_dir}: holds another sweep ({' '.join(first.args[3:-2])}): one dir keeps one "
+        "sweep, so that its report and sweep.jsonl mix no other: choose a new hydra.sweep.dir, or continue that "
+        "sweep with its own overrides, in the same order, and resume=auto"
+    )
+    same = launch("seed=0,1")
+    assert same.returncode == 2
+    assert same.stderr.strip() == (
+        f"error: hydra.sweep.dir={sweep_dir}: holds this sweep's jobs already: add resume=auto to continue it "
+        "(finished jobs are skipped, stopped ones resume from their checkpoints), or choose a new hydra.sweep.dir"
+    )
+    assert len(read_jsonl(sweep_dir / "sweep.jsonl")) == 2  # neither launch ran a job
+    resumed = launch("seed=0,1", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("completed before, at step 3: skipped") == 2
+    assert [p.name for p in sorted(sweep_dir.iterdir()) if p.is_dir()] == [p.name for p in first.job_dirs()]
 
 
 def test_bad_objective_names_the_choices(cli):

@@ -225,6 +225,9 @@ def _end_of_sweep(code: int) -> int:
     unfinished = sum(n for status, n in by_status.items() if status != "completed")
     if code == OK and unfinished:
         code = SWEEP_FAILED
+    stopped = {"stopped", "interrupted"} & set(by_status)  # a job a launcher in another process saw stop
+    if sweep_log.continue_with and (stopped or code in (SIGNAL, INTERRUPTED)):
+        print(f"continue the sweep with: {sweep_log.continue_with}", file=sys.stderr)
     shown = ", ".join(f"{n} {status}" for status, n in by_status.items()) or "no job finished"
     print(f"sweep: {shown}; {path} (exit {code})", file=sys.stderr)
     return code

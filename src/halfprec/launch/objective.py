@@ -25,12 +25,12 @@ def direction(objective: str | None, task: str) -> str:
     return "maximize" if metric is not None and metric.higher_is_better else "minimize"
 
 
-def sweep_value(task: str, objective: str | None, summary: dict | None) -> float:
+def sweep_value(task: str, objective: str | None, summary: dict) -> float:
     """The run's objective (`objective` of `task`: config/rules.py has checked that the task reports
-    it); for a run that diverged (summary None), the worst value for the way the sweeper optimizes:
+    it) from its summary; for a run that diverged, the worst value for the way the sweeper optimizes:
     -inf when it maximizes, +inf when it minimizes."""
     metric = task_metric(task, objective)
-    if summary is not None:
+    if summary.get("status") != "diverged":
         return summary.get(metric.name, math.nan)  # val/bpb of a token file whose bytes per token are unknown
     from hydra.core.hydra_config import HydraConfig
 

@@ -17,9 +17,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from halfprec.config import fail_fast_of
-from halfprec.errors import Preempted, TrainingAborted
+from halfprec.errors import ConfigError, Preempted, TrainingAborted
 from halfprec.launch import sweep_log
-from halfprec.launch.exits import SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
+from halfprec.launch.continuing import check_sweep_dir, continue_command
+from halfprec.launch.exits import CONFIG, SIGNAL, SWEEP_FAILED, SweepStopped, failure_line
 from halfprec.metrics import recorded
 
 # The Optuna sweeper's own lines about failed trials ("Failed experiment: ...", "Failed [...] times
@@ -53,8 +54,16 @@ class SweepRecord(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        overrides = config.hydra.overrides
+        try:
+            note = check_sweep_dir(sweep_dir, list(overrides.task), config.get("resume"))
+        except ConfigError as err:
+            raise SweepStopped(CONFIG, f"error: {err}") from None
         sweep_log.launched = sweep_dir / "sweep.jsonl"  # halfprec.launch.exits counts its lines at the end
+        sweep_log.continue_with = continue_command(sweep_dir, list(overrides.task), list(overrides.hydra))
         print(f"sweep dir: {sweep_dir}", file=sys.stderr, flush=True)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         if "optuna" in str(config.hydra.sweeper.get("_target_", "")).lower():
             import optuna  # before the sweeper does: its "new study created" line goes (the sweeper logs the study)
 

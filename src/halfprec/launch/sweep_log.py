@@ -12,6 +12,7 @@ from pathlib import Path
 STATUSES = ("completed", "failed", "diverged", "stopped")  # in the order the end-of-sweep line counts them
 
 launched: Path | None = None  # the sweep.jsonl of the multirun this process launched (set by the callback)
+continue_with: str | None = None  # the command that continues that sweep (halfprec.launch.continuing)
 printed: set[int] = set()  # the jobs whose failure this process has printed (it ran them itself)
 printed_errors: set[int] = set()  # and the id() of their exceptions
 

@@ -67,6 +67,7 @@ def find_jobs(path: Path) -> list[Job]:
         run_dirs = sorted({marker.parent for marker in markers})
     if not run_dirs:
         raise ReportError(f"{path}: no runs found; {EXPECTED}")
+    check_one_sweep_per_dir(run_dirs)
     sweep_lines: dict[Path, dict[int, dict]] = {}
     jobs = []
     for run_dir in run_dirs:
@@ -74,6 +75,24 @@ def find_jobs(path: Path) -> list[Job]:
             sweep_lines[run_dir.parent] = read_lines(run_dir.parent / "sweep.jsonl")
         jobs.append(read_job(run_dir, root, sweep_lines[run_dir.parent]))
     return sorted(jobs, key=lambda job: job.sort_key)
+
+
+def check_one_sweep_per_dir(run_dirs: list[Path]) -> None:
+    """Refuse a sweep dir that holds the jobs of several sweeps (launched into one hydra.sweep.dir
+    before train.py refused that): Hydra numbers each launch's jobs from 0, so their sweep.jsonl
+    lines and their statistics would mix."""
+    seen: dict[tuple[Path, int], Path] = {}
+    for run_dir in run_dirs:
+        num = job_number(run_dir)
+        if num is None:
+            continue
+        other = seen.setdefault((run_dir.parent, num), run_dir)
+        if other != run_dir:
+            raise ReportError(
+                f"{run_dir.parent}: holds the jobs of more than one sweep (job {num} is both {other.name} and "
+                f"{run_dir.name}); their statistics would mix: move each sweep's <n>_<overrides> dirs into a dir "
+                f"of their own and report each"
+            )
 
 
 def read_job(run_dir: Path, root: Path, sweep_lines: dict[int, dict]) -> Job:
