@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -558,6 +560,38 @@ def test_bad_value_stops_with_a_clear_message(bad, bad_runs):
     (line,) = result.stderr.strip().splitlines()  # one line, `error: key=value: what would work`
     assert line.startswith("error: ")
     assert not result.run_dir.exists(), "a config error leaves no run dir (it would hold .hydra/ alone)"
+
+
+@pytest.mark.parametrize("option", [pytest.param("model=timm", marks=pytest.mark.slow), "data=cifar10"])  # timm: ~13 s
+def test_a_torchvision_that_does_not_match_torch_is_one_line(option, cli, tmp_path, monkeypatch):
+    """A torchvision built for another torch release fails on import with "operator torchvision::nms
+    does not exist" (simulated here by a torchvision first on the path that raises it): the options
+    that need torchvision say which versions clash and the pip command that installs the match."""
+    from halfprec.components.torchvision_import import reinstall_command
+
+    fake = tmp_path / "fake" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")]))
+    if option == "model=timm":
+        overrides = ["model=timm", "model.name=test_resnet", "data=synthetic", "data.shape=[3,32,32]"]
+    else:
+        overrides = ["data=cifar10", f"data.root={write_cifar10(tmp_path / 'cifar10')}", "data.verify=false"]
+    result = cli.run(*overrides, "logger=none")
+    clash = f"torch {torch.__version__} and torchvision {metadata.version('torchvision')} do not match"
+    fix = f"(operator torchvision::nms does not exist); {reinstall_command(torch.__version__)}"
+    assert (result.returncode, result.stderr.strip()) == (2, f"error: {option}: {clash} {fix}"), result.output
+
+
+def test_the_torchvision_to_install_is_the_one_built_for_this_torch():
+    from halfprec.components.torchvision_import import reinstall_command
+
+    assert reinstall_command("2.6.0") == 'pip install "torchvision==0.21.*"'  # PyTorch's pairs: 2.6 with 0.21
+    cpu = 'pip install "torchvision==0.29.*" --index-url https://download.pytorch.org/whl/cpu'
+    assert reinstall_command("2.14.1+cpu") == cpu
+    assert reinstall_command("2.8.0+cu128").endswith(
+        '"torchvision==0.23.*" --index-url https://download.pytorch.org/whl/cu128'
+    )
 
 
 @pytest.mark.parametrize(

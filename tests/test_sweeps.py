@@ -318,20 +318,74 @@ def test_bad_objective_names_the_choices(cli):
     )
 
 
+def sweep_values(spec: dict) -> list:
+    """The values a W&B sweep parameter can take that a test can try: each of `values`, `value`, or
+    a distribution's two ends."""
+    if "values" in spec:
+        return list(spec["values"])
+    return [spec["value"]] if "value" in spec else [spec["min"], spec["max"]]
+
+
+def agent_command(sweep: dict, program: str, args: dict) -> list[str]:
+    """The command line `wandb agent` runs for one run of `sweep`, built by the agent's own code
+    (wandb.wandb_agent.Agent._command_run): ${args_no_hyphens} becomes Hydra's key=value overrides."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    macros = sweep_utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in args.items()}})
+    macros |= {"env": ["/usr/bin/env"], "interpreter": ["python"], "program": [program]}
+    command = []
+    for part in sweep_utils.create_sweep_command(list(sweep["command"])):
+        is_macro = part.startswith("${") and part.endswith("}")
+        command += macros.get(part[2:-1], []) if is_macro else [part]
+    return command
+
+
 @pytest.mark.parametrize("sweep_file", SWEEPS, ids=[p.stem for p in SWEEPS])
-def test_wandb_sweep_command_runs_train_py_with_hydra_overrides(sweep_file, tmp_path, monkeypatch):
-    """Run the command line that `wandb agent` builds from the sweep file, through the agent's own
-    code, for the first value of every parameter (offline: no server, no network)."""
-    from wandb.wandb_agent import Agent
+def test_every_value_of_a_wandb_sweep_composes_and_validates(sweep_file, monkeypatch):
+    """Each value of each parameter (the others at their first), as the agent's command line gives it
+    to train.py, composes and passes the checks train.py makes before it trains: a bad value or an
+    experiment that sweeps a key the W&B sweep does not set fails here, not in the agent's runs."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from halfprec.config import validate
+    from halfprec.launch.exits import check_not_a_lone_sweep
+    from halfprec.launch.resolvers import register_resolvers
 
     sweep = yaml.safe_load(sweep_file.read_text())
     assert sweep["program"] == "train.py" and "${args_no_hyphens}" in sweep["command"]
     assert sweep["metric"]["name"] in ("val/acc", "val/loss", "train/loss")
+    first = {name: sweep_values(spec)[0] for name, spec in sweep["parameters"].items()}
+    runs = [first | {name: value} for name, spec in sweep["parameters"].items() for value in sweep_values(spec)]
+    monkeypatch.setenv("WANDB_SWEEP_ID", "testsweep")
+    monkeypatch.setenv("WANDB_RUN_ID", "sweeprun1")
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # set below, as train.py's Hydra would; restored after
+    register_resolvers()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        for args in runs:
+            command = agent_command(sweep, "train.py", args)
+            assert command[:3] == ["/usr/bin/env", "python", "train.py"]
+            cfg = compose("train", overrides=command[3:], return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            check_not_a_lone_sweep()
+            assert cfg.hydra.run.dir == "outputs/wandb_sweeps/testsweep/sweeprun1"
+            with open_dict(cfg):
+                del cfg["hydra"]  # what train.py's main gets
+            validate(cfg)
+            assert cfg.resume == "auto"
 
-    def first(spec: dict):
-        return spec["values"][0] if "values" in spec else spec["min"]
 
-    args = {name: {"value": first(spec)} for name, spec in sweep["parameters"].items()}
+@pytest.mark.slow  # a run of train.py with W&B: ~12-20 s on the loaded 2-core machine
+@pytest.mark.parametrize("sweep_file", SWEEPS, ids=[p.stem for p in SWEEPS])
+def test_wandb_sweep_command_runs_train_py_with_hydra_overrides(sweep_file, tmp_path, monkeypatch):
+    """Run the command line that `wandb agent` builds from the sweep file, through the agent's own
+    code, for the first value of every parameter (offline: no server, no network). The run lands in
+    the sweep's dir, named by its id; its W&B run is grouped by the sweep and named by its overrides."""
+    from wandb.wandb_agent import Agent
+
+    sweep = yaml.safe_load(sweep_file.read_text())
+    args = {name: {"value": sweep_values(spec)[0]} for name, spec in sweep["parameters"].items()}
     # keep it tiny: extra overrides the way a user would append them to the sweep's parameters
     tiny = {
         "trainer.max_steps": 3,
@@ -341,26 +395,29 @@ def test_wandb_sweep_command_runs_train_py_with_hydra_overrides(sweep_file, tmp_
         "data.batch_size": 16,
     }
     args.update({k: {"value": v} for k, v in tiny.items()})
-    args["hydra.run.dir"] = {"value": str(tmp_path / "run")}
 
-    for key in ("WANDB_RUN_ID", "WANDB_SWEEP_PARAM_PATH", "WANDB_SWEEP_ID"):
+    for key in ("WANDB_RUN_ID", "WANDB_SWEEP_PARAM_PATH"):
         monkeypatch.setenv(key, "")  # the agent sets them in os.environ; monkeypatch restores them
     monkeypatch.setenv("WANDB_SWEEP_ID", "testsweep")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     agent = Agent.__new__(Agent)  # only the command-building part of the agent; no API client
-    agent._sweep_command, agent._function, agent._in_jupyter = sweep["command"], None, False
+    agent._sweep_command, agent._function, agent._in_jupyter = list(sweep["command"]), None, False
     agent._run_processes, agent._forward_signals = {}, False
     agent._command_run({"run_id": "sweeprun1", "program": str(TRAIN), "args": args})
     popen = agent._run_processes["sweeprun1"]._popen
     assert popen.wait(timeout=300) == 0
     assert popen.args[:3] == ["/usr/bin/env", "python", str(TRAIN)]
     assert all(f"{name}={spec['value']}" in popen.args for name, spec in args.items())  # Hydra overrides
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    run_dir = tmp_path / "outputs" / "wandb_sweeps" / "testsweep" / "sweeprun1"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
-    # the swept values reached the run: W&B got the run under the agent's run id
-    (wandb_file,) = wandb_records.run_files(tmp_path / "run")
-    assert wandb_records.run_info(wandb_file)["id"] == "sweeprun1"
+    # W&B got the run under the agent's run id, grouped by the sweep, named by the overrides as a
+    # multirun's job is (less its number: the agent's runs have none)
+    (wandb_file,) = wandb_records.run_files(run_dir)
+    info = wandb_records.run_info(wandb_file)
+    overrides = [a for a in popen.args[3:] if not a.startswith(("hydra.", "resume="))]
+    assert (info["id"], info["group"], info["name"]) == ("sweeprun1", "testsweep", ",".join(sorted(overrides)))
     config = wandb_records.config(wandb_file)
     # W&B locks swept keys to the sweep's value (a group key then holds the option name, e.g.
     # precision: fp16); the rest of the resolved config is there in full

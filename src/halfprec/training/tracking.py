@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,8 @@ def warn(message: str) -> None:
 
 def run_identity(cfg: Config, run_dir: Path) -> tuple[str, str | None, list[str]]:
     """Loggers' run name, group and tags from Hydra: named by the job's overrides, grouped by the
-    sweep, tagged with every chosen group option (`precision:bf16`)."""
+    sweep (a multirun's dir, or the W&B sweep whose agent started this run), tagged with every chosen
+    group option (`precision:bf16`)."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -68,6 +70,8 @@ def run_identity(cfg: Config, run_dir: Path) -> tuple[str, str | None, list[str]
         sweep = Path(hc.sweep.dir)
         group = f"{sweep.parent.name}_{sweep.name}"  # e.g. 2026-12-02_14-40-00.123456
         name = f"{hc.job.num}_{name}"
+    elif os.environ.get("WANDB_SWEEP_ID"):  # `wandb agent` starts each run of its sweep as a single Hydra run
+        group = os.environ["WANDB_SWEEP_ID"]
     tags = [f"{k}:{v}" for k, v in sorted(hc.runtime.choices.items()) if v and not k.startswith("hydra")]
     return name, group, tags
 

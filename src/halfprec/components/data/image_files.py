@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 from halfprec.components.data import Dataset, NumWorkers, PersistentWorkers, Root, Workers, register_dataset
+from halfprec.components.torchvision_import import import_torchvision
 from halfprec.errors import ConfigError
 from halfprec.machine import loader_workers
 from halfprec.spec import Spec
@@ -39,6 +40,7 @@ def load_cifar10(
             f"{'; missing ' + ', '.join(missing) if folder.is_dir() else ''}): download the python version from "
             f"{CIFAR10_URL} and extract it into {Path(root).resolve()}, or set data.download=true",
         )
+    import_torchvision("data", "cifar10")
     from torchvision.datasets import CIFAR10
 
     from halfprec.components.vision import UnverifiedCIFAR10, cifar10_transforms
@@ -94,6 +96,7 @@ def load_imagefolder(
             f"missing {' and '.join(missing)}): put the images there, one folder per class (ImageNet: train/ and "
             "val/ sorted into its 1,000 class folders), or point data.root at such a tree",
         )
+    import_torchvision("data", "imagefolder")
     from torchvision.datasets import ImageFolder
 
     from halfprec.components.vision import imagenet_transforms

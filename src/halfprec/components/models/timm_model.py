@@ -8,6 +8,7 @@ from typing import Annotated
 from torch import nn
 
 from halfprec.components.models import register_model
+from halfprec.components.torchvision_import import import_torchvision
 from halfprec.errors import ConfigError
 from halfprec.spec import Spec
 
@@ -22,6 +23,7 @@ def create_timm_model(
 ) -> nn.Module:
     """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through. A model
     with a patch embedding (ViTs) is built for the data's image size unless kwargs name one."""
+    import_torchvision("model", "timm")  # timm imports it: a mismatch with torch is one line, not timm's traceback
     import timm  # ~2 s to import: only when a timm model is asked for
 
     if not timm.is_model(name):
