@@ -241,6 +241,22 @@ def test_the_tool_measures_a_run_of_every_precision_option(precision, tmp_path, 
     assert len(summary["rows"]) == len(summary["formats"]) * (4 + 1 + 1)  # 4 block layers, the head, the whole
 
 
+def test_a_run_in_a_precision_slow_on_this_cpu_is_measured_with_a_warning(tmp_path, capsys):
+    """The tool computes as the run did: fp16 (slow on every CPU) says so at the start, as train.py does."""
+    from halfprec.tools.cli import main
+    from halfprec.training.run import run
+
+    run(compose_cfg(*GPT, "model.n_layer=1", "precision=fp16", "trainer.max_steps=1", "trainer.val_every=0"), tmp_path)
+    capsys.readouterr()
+    assert main(["sensitivity", str(tmp_path), "--batches", "1", "--formats", "mxfp8"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: the measurement computes as the run did: precision=fp16 computes in fp16, which torch's CPU kernels "
+        "(convolutions above all) run far slower than fp32: exact, so fine for checking numerics; for speed use "
+        "precision=fp32 here, or a GPU"
+    ]
+
+
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     tool = [sys.executable, "-c", "import sys; from halfprec.tools.cli import main; sys.exit(main())"]
     return subprocess.run([*tool, *args], cwd=cwd, capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from halfprec.config.rules import slow_on_cpu
 from halfprec.tools.sensitivity.measure import (
     SIGNIFICANT,
     Measured,
@@ -111,6 +112,9 @@ def sensitivity(args: argparse.Namespace) -> int:
     print(f"measuring {run.checkpoint} (step {run.step}): {len(layers)} Linear layer(s) x {len(formats)} format(s) "
           f"on up to {args.batches} validation batch(es): {total} forward-backward passes",
           file=sys.stderr)  # fmt: skip
+    slow = slow_on_cpu(run.precision) if run.device.type == "cpu" else None
+    if slow:  # as train.py warns at its start
+        print(f"warning: the measurement computes as the run did: {slow}", file=sys.stderr)
     progress = Passes(total)
     try:
         measured = measure(run, formats, args.batches, recipe, run.saved["seed"] if args.seed is None else args.seed,
