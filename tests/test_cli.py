@@ -345,6 +345,13 @@ def test_metrics_jsonl_uses_the_documented_names(runs):
          "sched.warmup_steps=1000 is beyond trainer.max_steps=400: the run ends during the warmup, at 40% of optim.lr"),
         (["trainer.val_every=0"], "trainer.val_every=0: validation runs once, after the last step"),
         (["trainer.val_every=100", "trainer.max_steps=200"], None),
+        (["diagnostics=grads", "diagnostics.every=0"],
+         "diagnostics.every=0: no diagnostics rows (per-layer gradients, update_lost, ...), only the layer each "
+         "skipped step's inf/NaN came from (diagnostics.skips): set diagnostics.every > 0 for the rows"),
+        (["precision.format=mxfp4", "precision.schedule=[{from_step: 500, format: high}]", "trainer.max_steps=400"],
+         "precision.schedule[0].from_step=500 is beyond trainer.max_steps=400: the phase never begins in this run "
+         "(resumed with trainer.max_steps >= 500, it would)"),
+        (["precision.format=mxfp4", "precision.schedule=[{from_fraction: 0.99, format: high}]"], None),
     ],
 )  # fmt: skip
 def test_settings_that_rarely_mean_what_they_say_are_warned_about(overrides, warning):
@@ -534,6 +541,21 @@ BAD = {
     "trainer=5": (2, ["trainer=5: no such option in conf/trainer/; options: ddp, default, fsdp"]),
     "precision=mxfp4 precision.recipe=nvfp4": (2, ["precision.recipe=nvfp4: a mapping of grad_format,", "=nvfp4 is"]),
     "precision=nvfp4 precision.recipe.scale_rule=rceil": (2, ["scale_rule=rceil: is for formats with E8M0 scales"]),
+    # a model that cannot read the data's samples: a dry forward of one sample, not step 1's traceback
+    "data=synthetic data.shape=[13] model=fixup_resnet": (
+        2,
+        ["model=fixup_resnet: cannot read data=synthetic's samples of shape [13]", "set data.shape to", "model=mlp"],
+    ),
+    # split on its spaces as an unquoted shell word is: the pieces are one override, quoted
+    "precision=mxfp4 precision.schedule=[{from_step: 10, gemms: [forward], format: high}]": (
+        2,
+        [
+            "the shell split this override",
+            "quote the whole override: 'precision.schedule=[{from_step: 10, gemms: [forward], format: high}]'",
+        ],
+    ),  # fmt: skip
+    "+logger=csv": (2, ["+logger=csv: train.yaml chooses logger already", "write logger=csv", "logger=[wandb,csv]"]),
+    "logger=[csv,tensorbord]": (2, ["logger=tensorbord: no such option", "did you mean logger=tensorboard?", "mlflow"]),
 }
 NEEDS_NO_CUDA = {"trainer.device=cuda", "precision=tf32", "precision=fp8"}
 
@@ -592,6 +614,45 @@ def test_the_torchvision_to_install_is_the_one_built_for_this_torch():
     assert reinstall_command("2.8.0+cu128").endswith(
         '"torchvision==0.23.*" --index-url https://download.pytorch.org/whl/cu128'
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (['accum="4"'], 'accum="4": must be an integer >= 1'),  # a string: shown quoted, unlike the fix's accum=4
+        (["logger=csv", "+logger.csv.path=x"], "logger.csv.path=x: unknown key for logger=csv; it takes no keys"),
+    ],
+)
+def test_a_config_error_shows_the_value_as_given_and_what_the_key_takes(overrides, message):
+    from halfprec.config import validate
+    from halfprec.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose_cfg(overrides))
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "overrides, shape",
+    [
+        (["data=synthetic", "data.shape=[13]", "model=fixup_resnet", *TINY["fixup_resnet"]], "[13]"),
+        (["data=synthetic", "data.shape=[3,32]", "model=timm", *TINY["timm"]], "[3, 32]"),
+    ],
+)
+def test_a_model_that_cannot_read_the_datas_samples_is_a_config_error(overrides, shape):
+    """docs/guide/extending.md: a model that does not fit its samples is one config error naming both."""
+    from halfprec.config import validate
+    from halfprec.errors import ConfigError
+    from halfprec.training.build import build
+
+    cfg = compose_cfg(overrides)
+    validate(cfg)
+    with pytest.raises(ConfigError) as info:
+        build(cfg)
+    arch = cfg.model.arch
+    assert str(info.value).startswith(f"model={arch}: cannot read data=synthetic's samples of shape {shape} (")
+    assert str(info.value).endswith("set data.shape to one it reads ([C, H, W] for a conv net), or model=mlp (it "
+                                    "reads any shape)")  # fmt: skip
 
 
 @pytest.mark.parametrize(

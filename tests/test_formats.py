@@ -27,7 +27,20 @@ def test_the_element_grids_are_those_of_the_definitions():
     assert (e4m3[1].item(), e4m3[8].item(), e4m3[-1].item()) == (2**-9, 2**-6, 448.0)  # subnormal, normal, max
     assert ELEMENTS["e5m2"].grid[-1].item() == 57344.0
     emax = {"e2m1": 2, "e2m3": 2, "e3m2": 4, "e4m3": 8, "e5m2": 15, "int8": 0}  # INT8: 127/64 < 2 = 2^1
-    assert {name: e.emax for name, e in ELEMENTS.items()} == emax
+    assert {name: ELEMENTS[name].emax for name in emax} == emax
+
+
+@pytest.mark.parametrize("name", list(ELEMENTS))
+def test_every_registered_element_has_a_grid_from_zero_to_its_max_and_the_emax_of_its_max(name):
+    """What the scales and the rounding rely on, for every element of the registry (a new one too):
+    an ascending grid from 0 to `max`, `max` below 2^(emax + 1), and rounding onto the grid."""
+    element = ELEMENTS[name]
+    grid = element.grid
+    assert grid[0].item() == 0 and grid[-1].item() == element.max and bool((grid[1:] > grid[:-1]).all())
+    assert 2.0**element.emax <= max(element.max, 1) < 2.0 ** (element.emax + 1)
+    mids = (grid[1:] + grid[:-1]) / 2
+    assert torch.equal(element.nearest(grid.clone()), grid)
+    assert bool((element.nearest(torch.nextafter(mids, mids + 1)) == grid[1:]).all())
 
 
 def test_the_int8_grid_is_k_over_64_for_k_in_minus_127_to_127():

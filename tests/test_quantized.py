@@ -19,7 +19,7 @@ from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.layers import HIGH, Rule, plan_layers
+from halfprec.numerics.layers import HIGH, Rule, plan_layers, shadowed_rules
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, keep_eager
 from halfprec.training.build import build
 from halfprec.training.run import run
@@ -282,6 +282,31 @@ def test_a_rule_that_matches_nothing_and_high_blocks_without_blocks_are_config_e
         plan_layers(mlp, "nvfp4", [], high_last=1)
 
 
+def test_a_rule_that_earlier_rules_take_every_layer_of_is_an_error_or_a_warning():
+    """First match wins: a later rule for layers an earlier one takes would silently not happen (an
+    error where it asks for another format; a warning where it repeats the earlier one's)."""
+    model = gpt()
+    with pytest.raises(ConfigError) as info:
+        shadowed_rules(model, [Rule("blocks.0.*", HIGH), Rule("blocks.0.attn.qkv", "mxfp8")])
+    assert str(info.value) == (
+        "precision.rules[1].match=blocks.0.attn.qkv: every layer it matches is taken by precision.rules[0] (match "
+        "blocks.0.*, format high) first (the first rule that matches a layer decides it): move it above, or narrow "
+        "the earlier glob"
+    )
+    repeated = [Rule("*.attn.*", "mxfp8"), Rule("blocks.1.attn.qkv", "mxfp8")]
+    assert shadowed_rules(model, repeated) == [
+        "warning: precision.rules[1].match=blocks.1.attn.qkv changes nothing: precision.rules[0] (match *.attn.*, "
+        "format mxfp8) gives its layers mxfp8 first; drop it"
+    ]
+    assert shadowed_rules(model, [Rule("blocks.0.attn.qkv", HIGH), Rule("blocks.0.*", "mxfp8")]) == []
+    c = build(compose_cfg(*GPT, "precision=mxfp4", "precision.rules=[{match: '*.attn.*', format: high}, "
+                          "{match: blocks.1.attn.qkv, format: high}]"))  # fmt: skip
+    assert c.policy.notes[0].startswith("warning: precision.rules[1].match=blocks.1.attn.qkv changes nothing")
+    with pytest.raises(ConfigError, match=r"precision.rules\[1\].match=blocks.1.attn.qkv: every layer it matches"):
+        build(compose_cfg(*GPT, "precision=mxfp4", "precision.rules=[{match: '*.attn.*', format: high}, "
+                          "{match: blocks.1.attn.qkv, format: mxfp8}]"))  # fmt: skip
+
+
 def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
     model = gpt()
     swap_emulated(model, plan_layers(model, "mxfp4", [Rule("lm_head", "mxfp4")]), Recipe(), seed=0, rank=0)
@@ -319,6 +344,15 @@ def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
         (["precision=mxfp4", "precision.recipe.wgrad=fp16"], r"recipe.wgrad=fp16: null \(the layer's format\), high,"),
         (["precision=bf16", "precision.recipe.wgrad=high"], "recipe.wgrad=high: applies to precision.format.s layers"),
         (["precision=fp8", "precision.recipe.wgrad=high"], "float8 kernel has no precision.recipe.wgrad"),
+        (
+            ["precision=mxfp4", *(f"precision.recipe.{g}=high" for g in ("forward", "dgrad", "wgrad"))],
+            r"precision.recipe.forward/dgrad/wgrad=high: keeps all three GEMMs of every layer high, so nothing is "
+            r"quantized: set one of them to null",
+        ),
+        (
+            ["precision=mxfp4", "precision.schedule=[{from_step: 5, gemms: [fwd], format: high}]"],
+            r"precision.schedule\[0\].gemms=\['fwd'\]: must be a non-empty list of forward, dgrad or wgrad",
+        ),
         (
             [
                 "precision=mxfp4",

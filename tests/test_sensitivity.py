@@ -307,6 +307,15 @@ def test_a_run_without_a_checkpoint_and_a_foreign_file_are_one_line(tmp_path):
         f"halfprec sensitivity: error: {tmp_path / 'empty'} holds no checkpoint (checkpoints/step-*.pt): the tool "
         "measures a trained model; a run saves one every trainer.ckpt_every steps and at its end"
     ]
+    for job in ("0_seed=0", "1_seed=1"):  # a sweep dir: its jobs are the runs
+        (tmp_path / "sweep" / job / "checkpoints").mkdir(parents=True)
+        (tmp_path / "sweep" / job / "checkpoints" / "step-00000002.pt").write_text("")
+    (tmp_path / "sweep" / "sweep.jsonl").write_text("")
+    result = run_tool("sensitivity", str(tmp_path / "sweep"), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"halfprec sensitivity: error: {tmp_path / 'sweep'} is a sweep dir, not a run's: pass one of its job dirs, "
+        f"e.g. halfprec sensitivity {tmp_path / 'sweep' / '0_seed=0'} (2 of them have a checkpoint)"
+    ]
     (tmp_path / "notes.pt").write_text("not a checkpoint")
     result = run_tool("sensitivity", str(tmp_path / "notes.pt"), cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1

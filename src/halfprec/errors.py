@@ -20,7 +20,20 @@ def show_value(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, str) and reads_as_other_type(value):
+        return f'"{value}"'  # accum="4" is a string: shown as 4, the line would contradict itself
     return str(value)
+
+
+def reads_as_other_type(text: str) -> bool:
+    """Whether a string, written unquoted on the command line, would be read as a number, a bool or null."""
+    if text.strip().lower() in ("true", "false", "null"):
+        return True
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ConfigError(ValueError):

@@ -98,7 +98,8 @@ def known_keys(node: DictConfig, prefix: str, allowed: list[str], owner: str) ->
             close = difflib.get_close_matches(text, allowed, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             full = f"{prefix}.{text}" if prefix else text
-            raise ConfigError(full, node[key], f"unknown key for {owner}; {hint}it takes: {', '.join(allowed)}")
+            takes = f"it takes: {', '.join(allowed)}" if allowed else "it takes no keys"
+            raise ConfigError(full, node[key], f"unknown key for {owner}; {hint}{takes}")
 
 
 def check_value(key: str, value: Any, hint: Any) -> None:
@@ -186,6 +187,9 @@ def name(kind: Any, spec: Spec) -> str:
     if get_origin(kind) in SEQUENCES or kind in SEQUENCES:
         item = (get_args(kind)[:1] or (Any,))[0]
         noun = {int: "integers", float: "numbers", str: "strings"}.get(item, "values")
+        if get_origin(item) is Literal:  # the values it takes: forward, dgrad or wgrad
+            *some, last = map(str, get_args(item))
+            noun = f"{', '.join(some)} or {last}" if some else last
         return f"a {'non-empty ' if spec.nonempty else ''}list of {noun}{bounds(spec)}"
     return str(kind) if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
 

@@ -88,6 +88,12 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
             f"precision.recipe.{key}", value, "applies to precision.format's layers; no layer is quantized"
         )
 
+    gemms = ("forward", "dgrad", "wgrad")
+    if quantizes(p) and all(p.recipe[g] == "high" for g in gemms) and all(s.format == "high" for s in p.schedule):
+        raise ConfigError(
+            "precision.recipe.forward/dgrad/wgrad", "high", "keeps all three GEMMs of every layer high, so nothing "
+            "is quantized: set one of them to null (the layer's format), or use precision=bf16 for no quantized layer",
+        )  # fmt: skip
     names = ", ".join(formats)
     for key in ("format", "recipe.grad_format"):
         value = p.format if key == "format" else p.recipe.grad_format
@@ -130,6 +136,18 @@ def config_warnings(cfg: Config, device_type: str = "cpu") -> list[str]:
         )
     if cfg.trainer.val_every == 0:
         found.append("trainer.val_every=0: validation runs once, after the last step")
+    if cfg.diagnostics.every == 0 and cfg.diagnostics.skips:  # diagnostics=grads diagnostics.every=0
+        found.append(
+            "diagnostics.every=0: no diagnostics rows (per-layer gradients, update_lost, ...), only the layer each "
+            "skipped step's inf/NaN came from (diagnostics.skips): set diagnostics.every > 0 for the rows"
+        )
+    for i, phase in enumerate(cfg.precision.schedule):
+        start = getattr(phase, "from_step", None)  # from_fraction is below 1: always within the run
+        if start is not None and start > steps:
+            found.append(
+                f"precision.schedule[{i}].from_step={start} is beyond trainer.max_steps={steps}: the phase never "
+                f"begins in this run (resumed with trainer.max_steps >= {start}, it would)"
+            )
     return found
 
 

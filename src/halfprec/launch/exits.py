@@ -238,16 +238,26 @@ def _end_of_sweep(code: int) -> int:
 NOT_IN_CONFIG = re.compile(r"Could not override '([^']+)'\.\s*To append to your config use \+(\S+)")
 AMBIGUOUS = re.compile(r"Ambiguous value for argument '([^'=]+)=([^']*)'")
 NOT_IN_DEFAULTS = re.compile(r"Could not override '([^']+)'\. No match in the defaults list")
+ADDED_TWICE = re.compile(r"Multiple values for ([^.\s]+)\. To override a value use 'override [^:]+: ([^']+)'")
 
 
 def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[int, str] | None:
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 
-    if isinstance(err, MissingConfigException) and err.options and err.missing_cfg_file:
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         group, _, value = err.missing_cfg_file.rpartition("/")
-        return CONFIG, "error: " + unknown_option(group, value, list(err.options))
+        # an option in a list (logger=[csv,tensorbord]) comes without Hydra's list of options
+        options = list(err.options or sorted(p.stem for p in (conf_dir / group).glob("*.yaml")))
+        if options:
+            return CONFIG, "error: " + unknown_option(group, value, options)
     if isinstance(err, OverrideParseException):
         syntax = err.message.splitlines()[0]
+        whole = rejoined(err.override, argv)
+        if whole is not None:
+            return CONFIG, (
+                f"error: {err.override}: the shell split this override at its spaces, and Hydra cannot read the "
+                f"pieces ({syntax}): quote the whole override: '{whole}'"
+            )
         fix = "quote a value that holds '=', spaces or brackets: 'key=\"a value\"'"
         return CONFIG, f"error: {err.override}: not an override Hydra can read ({syntax}); {fix}"
     if isinstance(err, ValueError) and str(err).startswith("Config group override must be a string"):
@@ -269,6 +279,15 @@ def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[i
             f"error: {key}={value}: a comma list is a sweep: add -m (python train.py -m {key}={value}); "
             f"a list value is {key}=[{value}]"
         )
+    found = ADDED_TWICE.search(str(err))
+    if found:  # +logger=csv: '+' adds a group train.yaml does not choose
+        group, value = found.groups()
+        chosen = default_choice(conf_dir, group)
+        both = f", or {group}=[{chosen},{value}] for both" if group == "logger" and chosen else ""
+        return CONFIG, (
+            f"error: +{group}={value}: train.yaml chooses {group} already, and '+' adds a group it does not "
+            f"choose: write {group}={value} (without +){both}"
+        )
     found = NOT_IN_DEFAULTS.search(str(err))
     if found and (conf_dir / found.group(1)).is_dir():  # a group train.yaml does not choose: experiment
         group = found.group(1)
@@ -277,6 +296,30 @@ def hydra_error_line(err: Exception, conf_dir: Path, argv: list[str]) -> tuple[i
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     cause = str(err.__cause__).strip().splitlines()[0] if err.__cause__ else ""
     return CONFIG, f"error: {first}" + (f" ({cause})" if cause and cause not in first else "")
+
+
+def default_choice(conf_dir: Path, group: str) -> str | None:
+    """The option train.yaml's defaults list chooses for `group`."""
+    from omegaconf import DictConfig, OmegaConf
+
+    root = OmegaConf.load(conf_dir / "train.yaml")
+    defaults = root.get("defaults", []) if isinstance(root, DictConfig) else []
+    return next((str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d), None)
+
+
+def rejoined(piece: str, argv: list[str]) -> str | None:
+    """The override the shell split at its spaces (an unquoted `precision.schedule=[{from_step: 10, ...}]`),
+    from `piece`, its first part, on: the argv items up to the one that closes its brackets. None
+    when `piece` is whole."""
+    if piece not in argv:
+        return None
+    parts, depth = [], 0
+    for part in argv[argv.index(piece) :]:
+        parts.append(part)
+        depth += sum(part.count(c) for c in "[{") - sum(part.count(c) for c in "]}")
+        if depth <= 0:
+            break
+    return " ".join(parts) if len(parts) > 1 else None
 
 
 def unknown_option(group: str, value: str, options: list[str]) -> str:

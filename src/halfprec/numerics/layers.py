@@ -78,6 +78,32 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_f
     return plan
 
 
+def shadowed_rules(model: nn.Module, rules: Sequence[Rule]) -> list[str]:
+    """Rules that never apply because earlier ones take every layer they match (the first matching
+    rule wins): a ConfigError when the rule's format differs (what it asks for would not happen),
+    else a warning line (it repeats an earlier rule: a no-op)."""
+    linears = linear_layers(model)
+    matches = [[n for n in linears if fnmatchcase(n, rule.match)] for rule in rules]
+    first: dict[str, int] = {}  # each matched layer's deciding rule: the first that matches it
+    for j, names in enumerate(matches):
+        for name in names:
+            first.setdefault(name, j)
+    lines = []
+    for i, (rule, names) in enumerate(zip(rules, matches)):
+        if not names or any(first[n] == i for n in names):
+            continue  # a rule that matches nothing is plan_layers' error
+        takers = sorted({first[n] for n in names})
+        by = ", ".join(f"precision.rules[{j}] (match {rules[j].match}, format {rules[j].format})" for j in takers)
+        if any(rules[first[n]].format != rule.format for n in names):
+            raise ConfigError(
+                f"precision.rules[{i}].match", rule.match, f"every layer it matches is taken by {by} first (the "
+                f"first rule that matches a layer decides it): move it above, or narrow the earlier glob",
+            )  # fmt: skip
+        lines.append(f"warning: precision.rules[{i}].match={rule.match} changes nothing: {by} gives its layers "
+                     f"{rule.format} first; drop it")  # fmt: skip
+    return lines
+
+
 def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int, high_last: int,
                         fits: Callable[[nn.Module], bool] | None, unfit: str, name: str) -> ConfigError:  # fmt: skip
     """Why a plan keeps every Linear layer high, as one line naming the setting that does it: the high

@@ -13,7 +13,7 @@ from torch import nn
 
 from halfprec.errors import PrecisionMismatch
 from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
-from halfprec.numerics.layers import HIGH, nothing_to_quantize, plan_layers
+from halfprec.numerics.layers import HIGH, nothing_to_quantize, plan_layers, shadowed_rules
 from halfprec.numerics.quantized import gemm_label
 from halfprec.numerics.schedule import PrecisionSchedule, build_schedule
 
@@ -125,6 +125,7 @@ class PrecisionPolicy:
             return {}
         converter = CONVERTERS[p.kernel]
         plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, converter.fits)
+        shadowed = shadowed_rules(model, p.rules)  # a rule an earlier one takes every layer of
         if all(f == HIGH for f in plan.values()) and not p.schedule:
             first, last, unfit = p.high_first, p.high_last, converter.unfit
             raise nothing_to_quantize(model, p.format, p.rules, first, last, converter.fits, unfit, p.name)
@@ -132,7 +133,7 @@ class PrecisionPolicy:
         converted = plan
         if p.schedule:
             converted, self.schedule = build_schedule(plan, p.schedule, p.recipe, self.steps or 0)
-        self.notes = converter.convert(model, converted, how)
+        self.notes = [*shadowed, *converter.convert(model, converted, how)]
         self.layers = {name: HIGH if f == HIGH else gemm_label(p.recipe.gemms(f)) for name, f in plan.items()}
         if self.schedule is not None:
             self.enter_phase(model, 0)

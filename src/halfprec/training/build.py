@@ -13,9 +13,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from halfprec.components.data import Dataset, build_dataset
+from halfprec.components.data import DATASETS, Dataset, Split, build_dataset
 from halfprec.components.init import apply_init
-from halfprec.components.models import create_model
+from halfprec.components.models import MODELS, create_model
 from halfprec.components.tasks import Task, build_task
 from halfprec.config import Config, as_config, resolve_device
 from halfprec.config.schema import CosineSchedule, Optim
@@ -149,6 +149,7 @@ def build(cfg: Config | DictConfig, world: World | None = None) -> Components:
     model = create_model(cfg.model, data.input_shape, data.num_classes)
     apply_init(model, cfg.init)
     model.to(device)
+    check_model_reads(model, cfg, data, device)
     policy = PrecisionPolicy.from_config(cfg.precision, device.type, cfg.trainer.max_steps)
     policy.apply_backend_flags()
     policy.prepare_model(model)
@@ -172,6 +173,31 @@ def build(cfg: Config | DictConfig, world: World | None = None) -> Components:
         keep_eager(model)
         compiled = cast(nn.Module, torch.compile(net))
     return Components(model, data, task, policy, params, optimizer, scheduler, scaler, device, stepper, world, compiled)
+
+
+def check_model_reads(model: nn.Module, cfg: Config, data: Dataset, device: torch.device) -> None:
+    """One validation sample through the model, in eval mode and without gradients (no state or
+    random number changes): a model that cannot read the data's samples (a conv net given vectors,
+    channels where it wants an image) is a config error naming both here, not a traceback in step 1."""
+    sample = data.val.x[:1] if isinstance(data.val, Split) else data.val[0][0].unsqueeze(0)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(sample.to(device))
+    except (RuntimeError, ValueError, AssertionError) as err:  # torch's shape checks, timm's asserts
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        fix = "set data.shape to one it reads ([C, H, W] for a conv net)"
+        fix = fix if "shape" in cfg.data.args else "use a dataset whose samples it reads"
+        mlp = MODELS.get("mlp")
+        if mlp is not None and cfg.model.name != "mlp" and mlp.reads == DATASETS[cfg.data.name].inputs:
+            fix += ", or model=mlp (it reads any shape)"
+        raise ConfigError(
+            "model", cfg.model.name, f"cannot read data={cfg.data.name}'s samples of shape {list(data.input_shape)} "
+            f"(one sample's forward failed: {cause}): {fix}",
+        ) from err  # fmt: skip
+    finally:
+        model.train(training)
 
 
 def use_channels_last(choice: str | bool, model: nn.Module, device: torch.device) -> bool:

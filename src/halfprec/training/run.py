@@ -73,13 +73,14 @@ def resume_checkpoint(cfg: Config, run_dir: Path, world: World) -> tuple[Path | 
     set_horizon(cfg, ckpt)
     if path is None or ckpt is None:  # both None together; the two tests are for the type checker
         return None, None
+    said = check_resume_config(ckpt["config"], saved(cfg), path)  # another run's checkpoint: said before max_steps
     if int(ckpt["step"]) > cfg.trainer.max_steps:
         raise ConfigError(
             "trainer.max_steps", cfg.trainer.max_steps, f"{path} is at step {ckpt['step']} already: set "
             f"trainer.max_steps above {ckpt['step']} to train on from it (the run it resumes had "
             f"{ckpt['config']['trainer']['max_steps']})",
         )  # fmt: skip
-    notes = [*check_resume_config(ckpt["config"], saved(cfg), path), lr_note(cfg, ckpt)]
+    notes = [*said, lr_note(cfg, ckpt)]
     for note in filter(None, notes):
         print(f"resume: {note}", file=sys.stderr)
     if world.is_main and ckpt.get("world_size", 1) != world.size:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,12 +78,24 @@ def find_checkpoint(path: Path) -> Path:
     if not path.is_dir():
         raise SensitivityError(f"{path}: no such run dir or checkpoint file")
     found = checkpoint_files(path / "checkpoints") or checkpoint_files(path)
+    jobs = sorted((d for d in path.iterdir() if d.is_dir() and checkpoint_files(d / "checkpoints")), key=job_number)
+    if not found and jobs:  # a sweep dir: its jobs are the runs
+        raise SensitivityError(
+            f"{path} is a sweep dir, not a run's: pass one of its job dirs, e.g. halfprec sensitivity "
+            f"{shlex.quote(str(jobs[0]))} ({len(jobs)} of them have a checkpoint)"
+        )
     if not found:
         raise SensitivityError(
             f"{path} holds no checkpoint (checkpoints/step-*.pt): the tool measures a trained model; a run "
             "saves one every trainer.ckpt_every steps and at its end"
         )
     return found[-1]
+
+
+def job_number(job_dir: Path) -> tuple[int, str]:
+    """A multirun job dir's number (`12_seed=1`: 12), for listing job 2 before job 10."""
+    number = job_dir.name.split("_", 1)[0]
+    return (int(number) if number.isdigit() else -1, job_dir.name)
 
 
 def load_run(path: Path, device: str | None = None) -> Run:
