@@ -97,14 +97,16 @@ def parameters_at_default_size(*overrides: str) -> int:
 
 def test_gpt2_and_llama_have_their_papers_parameter_counts_at_the_default_size():
     embedding, positions, width = GPT2_VOCABULARY * 768, 1024 * 768, 768
-    attention = 4 * width * width  # qkv and the output projection, no biases
+    attention = 4 * width * width  # qkv and the output projection
     gelu_mlp = 2 * width * 4 * width
     swiglu_mlp = 3 * width * 2048  # fc, gate and proj; 2048 = 8/3 x 768, a multiple of 16
-    norms = 2 * width  # per block; LayerNorm without bias, RMSNorm: a weight each
-    gpt2 = embedding + positions + 12 * (attention + gelu_mlp + norms) + width
+    norms = 2 * width  # per block: a gain each
+    biases = 3 * width + width + 4 * width + width + norms  # GPT-2's: qkv, proj, fc, proj, the LayerNorms'
+    gpt2 = embedding + positions + 12 * (attention + gelu_mlp + norms + biases) + 2 * width  # the last norm's bias
     llama = embedding + 12 * (attention + swiglu_mlp + norms) + width
-    assert (gpt2, llama) == (124_337_664, 123_551_232)
-    assert parameters_at_default_size("model=gpt2") == gpt2  # GPT-2's biases would add 102,144: 124,439,808
+    assert (gpt2, llama) == (124_439_808, 123_551_232)  # GPT-2 small's count with its tied head
+    assert parameters_at_default_size("model=gpt2") == gpt2
+    assert parameters_at_default_size("model=gpt2", "model.bias=false") == gpt2 - 12 * biases - width == 124_337_664
     assert parameters_at_default_size("model=llama") == llama
     assert parameters_at_default_size("model=llama", "model.tie_embeddings=false") == llama + embedding
 
@@ -173,16 +175,19 @@ def test_a_head_size_rope_cannot_rotate_is_one_line_naming_n_head_and_what_works
 
 
 def test_a_gpt_checkpoint_from_before_the_variants_resumes_as_the_learned_tied_gpt_it_was(tmp_path):
-    """Checkpoints from before model.pos, rope_base and tie_embeddings (and data.dtype) were of GPTs
-    with learned positions and a tied head: one resumes as that model, not as a rotary one; a model
-    without those keys (the MLP) is not held to them; precision.quantizer changes no value."""
+    """Checkpoints from before model.pos, rope_base, tie_embeddings, norm_eps and bias (and
+    data.dtype) were of GPTs with learned positions, a tied head, torch's eps and no biases: one
+    resumes as that model, not as a rotary one or one with biases; a model without those keys (the
+    MLP) is not held to them; precision.quantizer changes no value."""
     new = saved(typed_cfg("task=lm"))
-    added = ("pos", "rope_base", "tie_embeddings")
+    added = ("pos", "rope_base", "tie_embeddings", "norm_eps", "bias")
     old = {**new, "model": {k: v for k, v in new["model"].items() if k not in added}}
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
     rope = saved(typed_cfg("task=lm", "model.pos=rope"))
     with pytest.raises(ConfigError, match=r"model.pos=rope: .* was trained with model.pos='learned'"):
         check_resume_config(old, rope, Path("step-00000004.pt"))
+    with pytest.raises(ConfigError, match=r"^model.bias=true: .* was trained with model.bias=False"):
+        check_resume_config(old, saved(typed_cfg("task=lm", "model.bias=true")), Path("step-00000004.pt"))
     compiled = saved(typed_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
     eager = saved(typed_cfg("task=lm", "precision=mxfp8"))
     assert check_resume_config(eager, compiled, Path("s.pt")) == ["precision.quantizer: 'auto' -> 'compiled' (allowed)"]
