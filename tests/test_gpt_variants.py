@@ -1,9 +1,14 @@
 """model=gpt2 and model=llama, the GPT code at other settings: rotary position embeddings by hand,
-the parameter counts at the default sizes, tiny versions trained in the FP4 formats, the errors."""
+the parameter counts at the default sizes, tiny versions trained in the FP4 formats, the errors; the
+parameter count and the CPU warning a run starts with. (Their logits against the papers' definitions:
+test_gpt_reference.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +24,10 @@ from halfprec.errors import ConfigError
 from halfprec.numerics.quantized import QuantizedLinear
 from halfprec.training.build import build
 from halfprec.training.checkpoint import check_resume_config
+from halfprec.training.perf import model_lines
 from halfprec.training.run import run
 
-from helpers import compose_cfg, typed_cfg
+from helpers import TRAIN, compose_cfg, typed_cfg
 
 # A LLaMA small enough for a test: 2 blocks of width 32 (heads of 16 values), a 32-token context;
 # validation on 1% of the corpus (a few topics): a tenth's 360 micro-batches were most of the time.
@@ -191,3 +197,45 @@ def test_a_gpt_checkpoint_from_before_the_variants_resumes_as_the_learned_tied_g
     compiled = saved(typed_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
     eager = saved(typed_cfg("task=lm", "precision=mxfp8"))
     assert check_resume_config(eager, compiled, Path("s.pt")) == ["precision.quantizer: 'auto' -> 'compiled' (allowed)"]
+
+
+def test_a_run_says_its_parameter_count_first_and_keeps_it_in_summary_json(tmp_path, capsys):
+    """Counted once per tensor: a tied head is the embedding's matrix, not a second one."""
+    for tied in (True, False):
+        run_dir = tmp_path / f"tied_{tied}"
+        run(compose_cfg(*TINY_LLAMA, "trainer.max_steps=1", f"model.tie_embeddings={tied}"), run_dir)
+        weights = torch.load(run_dir / "checkpoints/step-00000001.pt", weights_only=False)["model"]
+        expected = sum(t.numel() for key, t in weights.items() if not (tied and key == "lm_head.weight"))
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[:2] == [f"run dir: {run_dir}", f"model: gpt, {expected:,} parameters"]
+        assert json.loads((run_dir / "summary.json").read_text())["params"] == expected
+
+
+def test_on_a_cpu_a_long_step_is_said_before_it_with_what_makes_it_shorter():
+    """model=gpt2 at task=lm's batch (16 sequences of 1024 bytes) is a step of about 8 TFLOP."""
+    cfg = typed_cfg("task=lm", "model=gpt2")
+    with torch.device("meta"):
+        model = create_model(cfg.model, (1024,), 256)
+    params = sum(p.numel() for p in model.parameters())
+    lines = model_lines(cfg, model, (1024,), "cpu")
+    assert lines[0] == f"model: gpt, {params:,} parameters"
+    tflop = 6 * params * cfg.data.batch_size * 1024 / 1e12
+    assert lines[1].startswith(f"warning: a step is about {tflop:.1f} TFLOP (6 x {params:,} parameters x 16,384 tokens")
+    assert "data.batch_size=1" in lines[1] and len(lines) == 2
+    assert model_lines(cfg, model, (1024,), "cuda") == lines[:1]
+    assert model_lines(typed_cfg("task=lm", "model=gpt2", "data.batch_size=1"), model, (1024,), "cpu") == lines[:1]
+    small = typed_cfg("task=lm")  # model=gpt: 0.01 TFLOP a step
+    with torch.device("meta"):
+        gpt = create_model(small.model, (128,), 256)
+    assert len(model_lines(small, gpt, (128,), "cpu")) == 1
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_a_gpt_preset_without_task_lm_is_one_line_that_adds_task_lm(preset, tmp_path):
+    """python train.py model=gpt2: the preset's name (not its arch, gpt) and the task that fits it."""
+    result = subprocess.run([sys.executable, str(TRAIN), f"model={preset}"], cwd=tmp_path, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: model={preset}: reads token sequences, and data=digits gives images or vectors: ")
+    assert line.endswith(": add task=lm (or, for data=digits, model=fixup_resnet, mlp or timm)")
