@@ -1,9 +1,14 @@
 """model=gpt2 and model=llama, the GPT code at other settings: rotary position embeddings by hand,
-the parameter counts at the default sizes, tiny versions trained in the FP4 formats, the errors."""
+the parameter counts at the default sizes, tiny versions trained in the FP4 formats, the errors; the
+parameter count and the CPU warning a run starts with. (Their logits against the papers' definitions:
+test_gpt_reference.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +24,10 @@ from halfprec.errors import ConfigError
 from halfprec.numerics.quantized import QuantizedLinear
 from halfprec.training.build import build
 from halfprec.training.checkpoint import check_resume_config
+from halfprec.training.perf import model_lines
 from halfprec.training.run import run
 
-from helpers import compose_cfg, typed_cfg
+from helpers import TRAIN, compose_cfg, typed_cfg
 
 # A LLaMA small enough for a test: 2 blocks of width 32 (heads of 16 values), a 32-token context;
 # validation on 1% of the corpus (a few topics): a tenth's 360 micro-batches were most of the time.
@@ -97,14 +103,16 @@ def parameters_at_default_size(*overrides: str) -> int:
 
 def test_gpt2_and_llama_have_their_papers_parameter_counts_at_the_default_size():
     embedding, positions, width = GPT2_VOCABULARY * 768, 1024 * 768, 768
-    attention = 4 * width * width  # qkv and the output projection, no biases
+    attention = 4 * width * width  # qkv and the output projection
     gelu_mlp = 2 * width * 4 * width
     swiglu_mlp = 3 * width * 2048  # fc, gate and proj; 2048 = 8/3 x 768, a multiple of 16
-    norms = 2 * width  # per block; LayerNorm without bias, RMSNorm: a weight each
-    gpt2 = embedding + positions + 12 * (attention + gelu_mlp + norms) + width
+    norms = 2 * width  # per block: a gain each
+    biases = 3 * width + width + 4 * width + width + norms  # GPT-2's: qkv, proj, fc, proj, the LayerNorms'
+    gpt2 = embedding + positions + 12 * (attention + gelu_mlp + norms + biases) + 2 * width  # the last norm's bias
     llama = embedding + 12 * (attention + swiglu_mlp + norms) + width
-    assert (gpt2, llama) == (124_337_664, 123_551_232)
-    assert parameters_at_default_size("model=gpt2") == gpt2  # GPT-2's biases would add 102,144: 124,439,808
+    assert (gpt2, llama) == (124_439_808, 123_551_232)  # GPT-2 small's count with its tied head
+    assert parameters_at_default_size("model=gpt2") == gpt2
+    assert parameters_at_default_size("model=gpt2", "model.bias=false") == gpt2 - 12 * biases - width == 124_337_664
     assert parameters_at_default_size("model=llama") == llama
     assert parameters_at_default_size("model=llama", "model.tie_embeddings=false") == llama + embedding
 
@@ -173,16 +181,61 @@ def test_a_head_size_rope_cannot_rotate_is_one_line_naming_n_head_and_what_works
 
 
 def test_a_gpt_checkpoint_from_before_the_variants_resumes_as_the_learned_tied_gpt_it_was(tmp_path):
-    """Checkpoints from before model.pos, rope_base and tie_embeddings (and data.dtype) were of GPTs
-    with learned positions and a tied head: one resumes as that model, not as a rotary one; a model
-    without those keys (the MLP) is not held to them; precision.quantizer changes no value."""
+    """Checkpoints from before model.pos, rope_base, tie_embeddings, norm_eps and bias (and
+    data.dtype) were of GPTs with learned positions, a tied head, torch's eps and no biases: one
+    resumes as that model, not as a rotary one or one with biases; a model without those keys (the
+    MLP) is not held to them; precision.quantizer changes no value."""
     new = saved(typed_cfg("task=lm"))
-    added = ("pos", "rope_base", "tie_embeddings")
+    added = ("pos", "rope_base", "tie_embeddings", "norm_eps", "bias")
     old = {**new, "model": {k: v for k, v in new["model"].items() if k not in added}}
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
     rope = saved(typed_cfg("task=lm", "model.pos=rope"))
     with pytest.raises(ConfigError, match=r"model.pos=rope: .* was trained with model.pos='learned'"):
         check_resume_config(old, rope, Path("step-00000004.pt"))
+    with pytest.raises(ConfigError, match=r"^model.bias=true: .* was trained with model.bias=False"):
+        check_resume_config(old, saved(typed_cfg("task=lm", "model.bias=true")), Path("step-00000004.pt"))
     compiled = saved(typed_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
     eager = saved(typed_cfg("task=lm", "precision=mxfp8"))
     assert check_resume_config(eager, compiled, Path("s.pt")) == ["precision.quantizer: 'auto' -> 'compiled' (allowed)"]
+
+
+def test_a_run_says_its_parameter_count_first_and_keeps_it_in_summary_json(tmp_path, capsys):
+    """Counted once per tensor: a tied head is the embedding's matrix, not a second one."""
+    for tied in (True, False):
+        run_dir = tmp_path / f"tied_{tied}"
+        run(compose_cfg(*TINY_LLAMA, "trainer.max_steps=1", f"model.tie_embeddings={tied}"), run_dir)
+        weights = torch.load(run_dir / "checkpoints/step-00000001.pt", weights_only=False)["model"]
+        expected = sum(t.numel() for key, t in weights.items() if not (tied and key == "lm_head.weight"))
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[:2] == [f"run dir: {run_dir}", f"model: gpt, {expected:,} parameters"]
+        assert json.loads((run_dir / "summary.json").read_text())["params"] == expected
+
+
+def test_on_a_cpu_a_long_step_is_said_before_it_with_what_makes_it_shorter():
+    """model=gpt2 at task=lm's batch (16 sequences of 1024 bytes) is a step of about 8 TFLOP."""
+    cfg = typed_cfg("task=lm", "model=gpt2")
+    with torch.device("meta"):
+        model = create_model(cfg.model, (1024,), 256)
+    params = sum(p.numel() for p in model.parameters())
+    lines = model_lines(cfg, model, (1024,), "cpu")
+    assert lines[0] == f"model: gpt, {params:,} parameters"
+    tflop = 6 * params * cfg.data.batch_size * 1024 / 1e12
+    assert lines[1].startswith(f"warning: a step is about {tflop:.1f} TFLOP (6 x {params:,} parameters x 16,384 tokens")
+    assert "data.batch_size=1" in lines[1] and len(lines) == 2
+    assert model_lines(cfg, model, (1024,), "cuda") == lines[:1]
+    assert model_lines(typed_cfg("task=lm", "model=gpt2", "data.batch_size=1"), model, (1024,), "cpu") == lines[:1]
+    small = typed_cfg("task=lm")  # model=gpt: 0.01 TFLOP a step
+    with torch.device("meta"):
+        gpt = create_model(small.model, (128,), 256)
+    assert len(model_lines(small, gpt, (128,), "cpu")) == 1
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_a_gpt_preset_without_task_lm_is_one_line_that_adds_task_lm(preset, tmp_path):
+    """python train.py model=gpt2: the preset's name (not its arch, gpt) and the task that fits it."""
+    result = subprocess.run([sys.executable, str(TRAIN), f"model={preset}"], cwd=tmp_path, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: model={preset}: reads token sequences, and data=digits gives images or vectors: ")
+    assert line.endswith(": add task=lm (or, for data=digits, model=fixup_resnet, mlp or timm)")

@@ -312,10 +312,10 @@ def test_validation_forwards_a_micro_batch_at_a_time():
 
 
 def test_diagnostics_keep_the_largest_causal_attention_logit_and_the_output_log_z():
-    from halfprec.components.models.gpt import CausalSelfAttention
+    from halfprec.components.models.gpt import CausalSelfAttention, Layout
     from halfprec.training.diagnostics import Diagnostics
 
-    attn = CausalSelfAttention(4, 1, 0.0, False, "layernorm")
+    attn = CausalSelfAttention(4, 1, 0.0, False, Layout("layernorm", None, "gelu", False))
     q = torch.tensor([[[[1.0, 0, 0, 0], [0, 2.0, 0, 0]]]])  # (batch, heads, time 2, head dim 4)
     k = torch.tensor([[[[0, 3.0, 0, 0], [0, 5.0, 0, 0]]]])
     attn.keep_logit_max(q, k)

@@ -226,14 +226,40 @@ def check_fit(cfg: DictConfig, task: Any, datasets: dict[str, Any], tasks: dict[
         gives = f"gives {kind(data.targets)} and task={task.name} learns from {kind(task.learns_from)}"
         raise ConfigError("data", name, f"{gives}: {fix}")
     if data.inputs != model.reads:
-        fits = [n for n, entry in models.items() if entry.reads == data.inputs]
-        fix = f"use model={or_list(fits)}" if fits else "no registered model reads them"
-        raise ConfigError("model", arch, f"reads {kind(model.reads)}, and data={name} gives {kind(data.inputs)}: {fix}")
+        choices, given = command_line()
+        fix = model_fix(cfg, "task" in given, datasets, tasks, models)
+        what = f"reads {kind(model.reads)}, and data={name} gives {kind(data.inputs)}"
+        raise ConfigError("model", choices.get("model") or arch, f"{what}: {fix}")  # the preset (gpt2), not its arch
     if cfg.objective is not None and task.metric(cfg.objective) is None:
         names = ", ".join(m.name for m in task.metrics)
         raise ConfigError(
             "objective", cfg.objective, f"task={task.name} reports {names} and train/loss (null: {task.objective})"
         )
+
+
+def model_fix(cfg: DictConfig, task_given: bool, datasets: dict[str, Any], tasks: dict[str, Any],
+              models: dict[str, Any]) -> str:  # fmt: skip
+    """For a model that does not read what the data gives: where the command line named no task, the
+    task whose datasets the model reads (model=gpt2 alone wants task=lm); else a model that reads them."""
+    data, reads = cfg.data.name, models[cfg.model.arch].reads
+    fits = [n for n, entry in models.items() if entry.reads == datasets[data].inputs]
+    use_model = f"model={or_list(fits)}" if fits else ""
+    targets = {entry.targets for entry in datasets.values() if entry.inputs == reads}
+    others = [n for n, t in tasks.items() if n != cfg.task.name and t.learns_from in targets]
+    if task_given or not others:
+        return f"use {use_model}" if use_model else "no registered model reads them"
+    return f"add task={or_list(others)}" + (f" (or, for data={data}, {use_model})" if use_model else "")
+
+
+def command_line() -> tuple[dict[str, str], set[str]]:
+    """The option each config group got (model: gpt2) and the keys the command line set, where Hydra
+    composed the config (train.py); none where code did (Hydra's compose API, the tests)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}, set()
+    hydra_cfg = HydraConfig.get()
+    return dict(hydra_cfg.runtime.choices), {o.split("=", 1)[0].lstrip("+~") for o in hydra_cfg.overrides.task}
 
 
 def kind(name: str) -> str:

@@ -63,6 +63,8 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "model.pos": "learned",  # from before model=llama: the GPT's learned positions, tied head
     "model.rope_base": 10000.0,
     "model.tie_embeddings": True,
+    "model.norm_eps": None,  # from before GPT-2's biases and LLaMA's eps: torch's eps, no biases
+    "model.bias": False,
     "data.dtype": "uint16",  # from before uint32 token files
     "diagnostics.shadow": [],  # from before what-if statistics
 }

@@ -34,6 +34,7 @@ from halfprec.training.checkpoint import (
 from halfprec.training.distributed import World
 from halfprec.training.loop import train_loop
 from halfprec.training.metrics import LoopState
+from halfprec.training.perf import count_parameters, model_lines
 from halfprec.training.progress import fmt
 from halfprec.training.signals import resume_command
 from halfprec.training.tracking import Tracker, build_tracker
@@ -122,13 +123,15 @@ def lr_note(cfg: Config, ckpt: dict) -> str | None:
     )
 
 
-def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, policy: PrecisionPolicy) -> None:
-    """Once everything is built: where this run writes, which Linear layers compute in which number
-    format (if any is quantized) and which recipe switches they follow, the optimizer's values, and
-    where it continues from; then the settings that work but rarely do what was meant."""
+def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, policy: PrecisionPolicy,
+              model: list[str]) -> None:  # fmt: skip
+    """Once everything is built: where this run writes, the `model` lines (its size; on a CPU, a long
+    step ahead), which Linear layers compute in which number format (if any is quantized) and which
+    recipe switches they follow, the optimizer's values, and where it continues from; then the
+    settings that work but rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
     phases = [] if policy.schedule is None else policy.schedule.lines()
-    for line in [optimizer_line(cfg.optim), *layer_table(policy.layers), *phases, *policy.notes]:
+    for line in [*model, optimizer_line(cfg.optim), *layer_table(policy.layers), *phases, *policy.notes]:
         print(line, file=sys.stderr)
     for line in config_warnings(cfg, policy.device_type):
         print(f"warning: {line}", file=sys.stderr)
@@ -149,7 +152,7 @@ def _run(cfg: Config, run_dir: Path, world: World) -> dict:
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
-        say_where(cfg, run_dir, path, loop.step, c.policy)
+        say_where(cfg, run_dir, path, loop.step, c.policy, model_lines(cfg, c.model, c.data.input_shape, c.device.type))
         resume_step = loop.step if ckpt else None
         tracker = build_tracker(cfg, run_dir, resume_step=resume_step, states=logger_states(ckpt) if ckpt else None)
     else:
@@ -211,6 +214,7 @@ def end_summary(cfg: Config, c: Components, loop: LoopState, status: str, exit_c
         "effective_batch": cfg.data.batch_size * cfg.accum * c.world.size,
         "world_size": c.world.size,
         "threads": cfg.trainer.threads,
+        "params": count_parameters(c.model),  # tied tensors once
         "wall_s": wall_s,
         "exit_code": exit_code,
     }

@@ -6,6 +6,7 @@ model=gpt, gpt2 and llama (conf/model/). Written for reading: each module is a f
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated, Literal, cast
 
 import torch
@@ -17,9 +18,12 @@ from halfprec.errors import ConfigError
 from halfprec.spec import Spec
 
 
-def create_norm(kind: str, width: int) -> nn.Module:
-    """layernorm (without a bias, as in recent GPTs) or rmsnorm."""
-    return nn.LayerNorm(width, bias=False) if kind == "layernorm" else nn.RMSNorm(width)
+def create_norm(kind: str, width: int, eps: float | None, bias: bool) -> nn.Module:
+    """layernorm (with a bias as GPT-2's, or without as recent GPTs') or rmsnorm (no bias). eps None:
+    torch's defaults, LayerNorm's 1e-5 and RMSNorm's machine epsilon of the input's dtype."""
+    if kind == "layernorm":
+        return nn.LayerNorm(width, eps=1e-5 if eps is None else eps, bias=bias)
+    return nn.RMSNorm(width, eps=eps)
 
 
 class Rotary(nn.Module):
@@ -55,16 +59,30 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What every block shares: its norm (kind, eps), its MLP's kind, and biases or none."""
+
+    norm: str
+    norm_eps: float | None
+    mlp: str
+    bias: bool
+
+    def create_norm(self, width: int) -> nn.Module:
+        return create_norm(self.norm, width, self.norm_eps, self.bias)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, norm: str, rope: Rotary | None = None):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, layout: Layout,
+                 rope: Rotary | None = None):  # fmt: skip
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
-        self.proj = nn.Linear(n_embd, n_embd, bias=False)  # into the residual stream
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=layout.bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=layout.bias)  # into the residual stream
         head = n_embd // n_head
         # qk-norm (Dehghani et al. 2023): bounded attention logits, whatever the weights grow to
-        self.q_norm = create_norm(norm, head) if qk_norm else nn.Identity()
-        self.k_norm = create_norm(norm, head) if qk_norm else nn.Identity()
+        self.q_norm = layout.create_norm(head) if qk_norm else nn.Identity()
+        self.k_norm = layout.create_norm(head) if qk_norm else nn.Identity()
         self.rope = rope  # the model's one Rotary, shared by every block (its buffers are no parameters)
         self.resid_drop = nn.Dropout(dropout)
         # diagnostics=grads turns this on for its steps: the largest attention logit is then kept
@@ -97,30 +115,35 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (GPT-2) or SwiGLU (LLaMA); SwiGLU's hidden width is 8/3 of the model's, rounded up to a
-    multiple of 16 so that float8 matmuls can take it."""
+    """GELU, exact (gelu) or as GPT-2 computes it, with tanh (gelu_tanh), or SwiGLU (LLaMA);
+    SwiGLU's hidden width is 8/3 of the model's, rounded up to a multiple of 16 so that float8
+    matmuls can take it."""
 
-    def __init__(self, n_embd: int, kind: str, dropout: float):
+    def __init__(self, n_embd: int, layout: Layout, dropout: float):
         super().__init__()
-        hidden = 4 * n_embd if kind == "gelu" else 16 * math.ceil(8 * n_embd / 3 / 16)
-        self.fc = nn.Linear(n_embd, hidden, bias=False)
-        self.gate = nn.Linear(n_embd, hidden, bias=False) if kind == "swiglu" else None
-        self.proj = nn.Linear(hidden, n_embd, bias=False)  # into the residual stream
+        swiglu = layout.mlp == "swiglu"
+        hidden = 16 * math.ceil(8 * n_embd / 3 / 16) if swiglu else 4 * n_embd
+        self.fc = nn.Linear(n_embd, hidden, bias=layout.bias)
+        self.gate = nn.Linear(n_embd, hidden, bias=layout.bias) if swiglu else None
+        self.proj = nn.Linear(hidden, n_embd, bias=layout.bias)  # into the residual stream
         self.drop = nn.Dropout(dropout)
+        self.approximate = "tanh" if layout.mlp == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.fc(x)) if self.gate is None else F.silu(self.gate(x)) * self.fc(x)
+        if self.gate is None:
+            h = F.gelu(self.fc(x), approximate=self.approximate)
+        else:
+            h = F.silu(self.gate(x)) * self.fc(x)
         return self.drop(self.proj(h))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, norm: str, mlp: str,
-                 rope: Rotary | None):  # fmt: skip
+    def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, layout: Layout, rope: Rotary | None):
         super().__init__()
-        self.norm1 = create_norm(norm, n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, qk_norm, norm, rope)
-        self.norm2 = create_norm(norm, n_embd)
-        self.mlp = MLP(n_embd, mlp, dropout)
+        self.norm1 = layout.create_norm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, qk_norm, layout, rope)
+        self.norm2 = layout.create_norm(n_embd)
+        self.mlp = MLP(n_embd, layout, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -131,7 +154,7 @@ class GPT(nn.Module):
     keep_high = ("lm_head",)  # quantized formats leave the output head high, tied to the embedding or not
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float,
-                 qk_norm: bool, norm: str, mlp: str, pos: str = "learned", rope_base: float = 10000.0,
+                 qk_norm: bool, layout: Layout, pos: str = "learned", rope_base: float = 10000.0,
                  tie_embeddings: bool = True):  # fmt: skip
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
@@ -139,10 +162,10 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(block_size, n_embd) if pos == "learned" else None
         self.rope = Rotary(n_embd // n_head, block_size, rope_base) if pos == "rope" else None  # one per model
         self.drop = nn.Dropout(dropout)
-        blocks = (Block(n_embd, n_head, dropout, qk_norm, norm, mlp, self.rope) for _ in range(n_layer))
+        blocks = (Block(n_embd, n_head, dropout, qk_norm, layout, self.rope) for _ in range(n_layer))
         self.blocks = nn.ModuleList(blocks)
-        self.norm = create_norm(norm, n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.norm = layout.create_norm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)  # no bias, as GPT-2's
         if tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one matrix embeds and reads out tokens
 
@@ -172,7 +195,13 @@ def create_gpt(
     dropout: Annotated[float, Spec(low=0, below=1)] = 0.0,
     qk_norm: Annotated[bool, Spec(doc="normalise queries and keys per head")] = False,
     norm: Literal["layernorm", "rmsnorm"] = "layernorm",
-    mlp: Literal["gelu", "swiglu"] = "gelu",
+    norm_eps: Annotated[
+        float | None, Spec(above=0, doc="the norms' epsilon; null: torch's (LayerNorm 1e-5, RMSNorm the dtype's eps)")
+    ] = None,
+    mlp: Annotated[
+        Literal["gelu", "gelu_tanh", "swiglu"], Spec(doc="GELU exact or tanh-approximated (GPT-2's), or SwiGLU")
+    ] = "gelu",
+    bias: Annotated[bool, Spec(doc="biases in the Linear layers (not the head) and LayerNorms, as GPT-2's")] = False,
     proj_init: Annotated[
         Literal["gpt2", "zero", "plain"],
         Spec(doc="residual projections at init: std 0.02/sqrt(2 n_layer) (GPT-2), zero, or 0.02 as the rest"),
@@ -193,7 +222,8 @@ def create_gpt(
         check_rope_heads(n_embd, n_head)
     if input_shape[0] > block_size:
         raise ConfigError("data.block_size", input_shape[0], f"must be <= model.block_size={block_size}")
-    model = GPT(num_classes, block_size, n_layer, n_head, n_embd, dropout, qk_norm, norm, mlp, pos, rope_base,
+    layout = Layout(norm, norm_eps, mlp, bias)
+    model = GPT(num_classes, block_size, n_layer, n_head, n_embd, dropout, qk_norm, layout, pos, rope_base,
                 tie_embeddings)  # fmt: skip
     init_gpt(model, proj_init)
     return model
@@ -211,10 +241,12 @@ def check_rope_heads(n_embd: int, n_head: int) -> None:
 
 
 def init_gpt(model: GPT, proj_init: str) -> None:
-    """GPT-2's init: weights normal(0, 0.02), norms (1, 0); the residual projections per proj_init."""
+    """GPT-2's init: weights normal(0, 0.02), biases 0, norms (1, 0); the residual projections per proj_init."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
     for layer in model.residual_projections():
         if proj_init == "zero":
             nn.init.zeros_(layer.weight)
