@@ -109,7 +109,7 @@ def test_two_quick_ctrl_c_after_a_checkpoint_quit_and_name_it(tmp_path):
 
 
 # train.py with its Ctrl-C pressed from inside: the first press (for a quit, two) after the first
-# metrics row, one more as the run's ending enters `window`, at once wherever the load would put it.
+# metrics row, one more as the run's ending enters `window`: where a press may land under load, made sure.
 PRESSES = r"""
 import atexit, signal, sys
 
@@ -160,7 +160,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     [
         ("stop", "exit"),  # the interpreter's exit hooks (torch's), then SIGINT's default action
         pytest.param("stop", "stop", marks=pytest.mark.slow),  # after the checkpoint, before the stop: a quit
-        pytest.param("stop", "summary", marks=pytest.mark.slow),  # ~5 s each, the same rule as "exit"
+        pytest.param("stop", "summary", marks=pytest.mark.slow),  # the same rule as "exit", in other places
         pytest.param("stop", "loggers", marks=pytest.mark.slow),
         pytest.param("stop", "line", marks=pytest.mark.slow),  # while the line that reports the stop is made
         pytest.param("quit", "summary", marks=pytest.mark.slow),  # a third press, in the quit's ending
