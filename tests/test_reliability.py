@@ -19,7 +19,7 @@ from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.training.run import run
 
 import wandb_records
-from helpers import compose_cfg, signalled
+from helpers import compose_cfg, own_session, signalled
 
 
 def wait_for_rows(metrics, proc: subprocess.Popen, rows: int) -> None:
@@ -106,6 +106,85 @@ def test_two_quick_ctrl_c_after_a_checkpoint_quit_and_name_it(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert_says_what_is_on_disk(err, tmp_path)
+
+
+# train.py with its Ctrl-C pressed from inside: the first press (for a quit, two) after the first
+# metrics row, one more as the run's ending enters `window`: where a press may land under load, made sure.
+PRESSES = r"""
+import atexit, signal, sys
+
+_, ending, window, *sys.argv = sys.argv  # sys.argv: train.py and its overrides
+pressed = []
+
+
+def press(times=1):
+    for _ in range(times):
+        pressed.append(1)
+        signal.raise_signal(signal.SIGINT)  # Python runs its handler as this call returns
+
+
+def pressing(function):
+    def pressed_in(*args, **kwargs):
+        if pressed:
+            press()
+        return function(*args, **kwargs)
+    return pressed_in
+
+
+def first_row(log):
+    def logged(self, row):
+        log(self, row)
+        if not pressed:
+            press(1 if ending == "stop" else 2)
+    return logged
+
+
+if window == "exit":  # registered first: runs last of the exit hooks, after torch's
+    atexit.register(press)
+import runpy
+from halfprec.launch import exits
+from halfprec.training import run, signals, tracking
+
+tracking.Tracker.log = first_row(tracking.Tracker.log)
+where = {"stop": (signals.StopSignals, "stop"), "summary": (run, "write_summary"),
+         "loggers": (tracking.Tracker, "finish"), "line": (exits, "failure_line")}
+if window in where:
+    owner, name = where[window]
+    setattr(owner, name, pressing(getattr(owner, name)))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    "ending, window",
+    [
+        ("stop", "exit"),  # the interpreter's exit hooks (torch's), then SIGINT's default action
+        pytest.param("stop", "stop", marks=pytest.mark.slow),  # after the checkpoint, before the stop: a quit
+        pytest.param("stop", "summary", marks=pytest.mark.slow),  # the same rule as "exit", in other places
+        pytest.param("stop", "loggers", marks=pytest.mark.slow),
+        pytest.param("stop", "line", marks=pytest.mark.slow),  # while the line that reports the stop is made
+        pytest.param("quit", "summary", marks=pytest.mark.slow),  # a third press, in the quit's ending
+        pytest.param("quit", "loggers", marks=pytest.mark.slow),
+        ("quit", "exit"),
+    ],
+)
+def test_ctrl_c_in_the_ending_leaves_it_whole(tmp_path, ending, window):
+    """Once the stop or the quit is under way, one more Ctrl-C, wherever it lands, is ignored: the
+    run ends as it began to (4 and the stop's line, 130 and the quit's), without a traceback."""
+    cmd = train_cmd(tmp_path, "model.hidden=[64]", "trainer.log_every=1", *UNTIL_STOPPED)
+    done = subprocess.run([cmd[0], "-c", PRESSES, ending, window, *cmd[1:]], capture_output=True, text=True,
+                          timeout=300, preexec_fn=own_session)  # fmt: skip
+    err = done.stderr
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    if ending == "stop" and window != "stop":
+        assert done.returncode == 4, err
+        assert err.strip().splitlines()[-1].startswith("stopped: Ctrl-C at step "), err
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert (summary["status"], summary["exit_code"]) == ("stopped", 4)
+    else:
+        assert done.returncode == 130, err
+        assert_says_what_is_on_disk(err, tmp_path)
+        assert window != "stop" or " after saving " in err  # the stop's checkpoint is the one to resume from
 
 
 def delivered(proc: subprocess.Popen, signum: int) -> None:

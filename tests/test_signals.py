@@ -13,7 +13,10 @@ import time
 import pytest
 from conftest import TRAIN
 
+from halfprec.ctrl_c import quit_once, quits_once
+from halfprec.errors import Preempted
 from halfprec.training import signals
+from halfprec.training.distributed import World
 from halfprec.training.signals import StopSignals
 
 
@@ -94,6 +97,32 @@ def test_ctrl_c_after_a_stop_signal_quits():
     with pytest.raises(KeyboardInterrupt), StopSignals():
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("ending", ["stop", "quit"])
+def test_once_the_stop_or_the_quit_is_under_way_ctrl_c_is_ignored_to_the_exit(tmp_path, ending):
+    """Under train.py (quit_once): a Ctrl-C that lands in the ending, the loop's or the process's,
+    would tear apart what reports it; in a notebook (Python's handler) it is handed back as it was."""
+    for handler, after in [(quit_once, signal.SIG_IGN), (signal.default_int_handler, signal.default_int_handler)]:
+        signal.signal(signal.SIGINT, handler)
+        with pytest.raises(Preempted if ending == "stop" else KeyboardInterrupt), StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            try:
+                if ending == "stop":
+                    stop.stop(World(), 3, tmp_path / "step-00000003.pt", tmp_path)
+                os.kill(os.getpid(), signal.SIGINT)  # the quit
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)  # lands in the ending: ignored
+        assert signal.getsignal(signal.SIGINT) is after
+
+
+def test_ctrl_c_quits_a_command_once_then_is_ignored():
+    with pytest.raises(KeyboardInterrupt), quits_once():
+        os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # lands in the lines that report the quit, or the interpreter's exit
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    with quits_once():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # ignored at the start (nohup): stays so
 
 
 def test_the_handlers_and_the_wakeup_fd_are_put_back():

@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf.errors import OmegaConfBaseException
 
+from halfprec import ctrl_c
 from halfprec.errors import ConfigError, InitError, Interrupted, PrecisionMismatch, Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 
@@ -161,7 +162,8 @@ def run_cli(main: Callable[[], Any], conf_dir: Path, argv: list[str]) -> int:
     user_wants_traces = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises; what it would print is decided below
     try:
-        main()
+        with ctrl_c.quits_once():  # and ignored once the command ends: its lines, the interpreter's exit
+            main()
     except Interrupted as err:  # a second Ctrl-C during training: its message says what is on disk
         print(f"interrupted: {err}", file=sys.stderr)
         return _end_of_sweep(INTERRUPTED)

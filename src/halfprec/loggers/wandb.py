@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import string
 import sys
 import threading
@@ -120,9 +121,11 @@ class WandbSink:
         """The run, waiting up to `wait_s` for it (saying so when that is long: the run is over)."""
         run = self._started(min(wait_s, NOTICE_AFTER_S))
         if run is None and wait_s > NOTICE_AFTER_S:
+            # Ctrl-C is ignored once a stop or a quit is under way (halfprec.ctrl_c), and under nohup
+            quit = "" if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else "Ctrl-C: quit without it; "
             print(
                 f"W&B is still starting; waiting up to {wait_s - NOTICE_AFTER_S:.0f} s more for it "
-                "(Ctrl-C: quit without it; metrics.jsonl has every row)",
+                f"({quit}metrics.jsonl has every row)",
                 file=sys.stderr,
                 flush=True,
             )

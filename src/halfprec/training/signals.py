@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from halfprec.ctrl_c import quit_once
 from halfprec.errors import Preempted
 from halfprec.machine import launcher
 from halfprec.training import distributed
@@ -26,7 +27,8 @@ class StopSignals:
     sends USR2 unless $SUBMITIT_PREEMPT_SIGNAL says otherwise) and the first Ctrl-C (SIGINT) into a
     flag the loop checks after each step, so it stops at a step boundary with a checkpoint. A second
     Ctrl-C quits at once (KeyboardInterrupt: exit 130, nothing more saved); one that comes while a
-    checkpoint is being written quits as soon as that file is complete (`holding`)."""
+    checkpoint is being written quits as soon as that file is complete (`holding`). Once the quit or
+    the stop is under way, Ctrl-C is ignored: under train.py to the process's exit (halfprec.ctrl_c)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
@@ -40,9 +42,10 @@ class StopSignals:
         self._previous_wakeup = -1
         self._holding = False  # a checkpoint is being written: a quit waits for it
         self._quitting = False
+        self._ending = False  # the quit or the stop is under way: a signal now is ignored
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self._quitting:  # one more Ctrl-C while the quit is under way
+        if self._ending:  # one more Ctrl-C would tear apart the ending that reports the quit or the stop
             return
         first = self.received is None
         # Recorded before anything is printed: a second Ctrl-C may arrive during the print, and
@@ -55,7 +58,7 @@ class StopSignals:
             if os.environ.get("RANK", "0") == "0":  # torchrun hands the Ctrl-C to every rank: one says so
                 say("\nCtrl-C: stopping after this step with a checkpoint; Ctrl-C again to quit now")
             return
-        self._quitting = True  # a second Ctrl-C, or one after another stop signal
+        self._quitting = self._ending = True  # a second Ctrl-C, or one after another stop signal
         if self._holding:
             say("\nCtrl-C again: quitting as soon as the checkpoint being written is complete")
         else:
@@ -108,6 +111,8 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
+            if handler is quit_once and self._ending:  # train.py's, which would quit in the ending
+                handler = signal.SIG_IGN
             signal.signal(s, handler)
         if self._wakeup is not None:
             signal.set_wakeup_fd(self._previous_wakeup)
@@ -126,10 +131,12 @@ class StopSignals:
         the save), hand the signal on (under submitit: requeue), and end the run as resumable."""
         distributed.barrier(world)
         self.forward()
-        raise Preempted(
+        stopped = Preempted(
             f"{signal_name(self.received)} at step {step}: saved {saved}; continue with: "
             f"{resume_command(run_dir, world)}"
         )
+        self._ending = True  # from here on a Ctrl-C would cut short the stop's ending, not the training
+        raise stopped
 
 
 def say(message: str) -> None:
