@@ -27,11 +27,11 @@ def awkward(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return x
 
 
-def check_both_ways(x: torch.Tensor, name: str, axis: int, tile: bool, rounding: str) -> None:
+def check_both_ways(x: torch.Tensor, name: str, axis: int, tile: bool, rounding: str, rule: str = "floor") -> None:
     """The compiled and the eager quantizer on `x`, from generators in the same state, as a layer calls
     them (the scale its GEMM applies to the output split off)."""
     eager, compiled = (
-        quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, "floor", True, c, split=True)
+        quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, rule, True, c, split=True)
         for c in (False, True)
     )
     assert same_bits(compiled.values, eager.values), (name, axis, tile, rounding)
@@ -53,6 +53,17 @@ def test_every_format_compiled_gives_the_eager_values_bit_for_bit(name):
         for axis in (-1, 0):
             for rounding in ("nearest", "stochastic"):
                 check_both_ways(awkward((70, 200), seed=axis + 2), name, axis, tile, rounding)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rounding", [("mxfp8", "nearest"), ("mxfp4", "stochastic")])
+def test_rceils_saturation_near_fp32s_largest_value_compiles_to_the_same_values(name, rounding):
+    """rceil's blocks near fp32's largest value saturate below 2^128 (scales.e8m0_limit) the same way
+    compiled, with the awkward tensor's every other branch."""
+    x = awkward((70, 200), seed=4)
+    x[:8] = torch.finfo(torch.float32).max * (1 - torch.rand(8, 200, generator=torch.Generator().manual_seed(1)) ** 8)
+    assert not quantize(x, name, 0, scale_rule="rceil").values[:8].isinf().any()
+    check_both_ways(x, name, 0, False, rounding, "rceil")
 
 
 def kernels(shape: tuple[int, int], name: str, tile: bool) -> int:
