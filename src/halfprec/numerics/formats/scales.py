@@ -17,6 +17,8 @@ handled by the caller (formats/__init__.py: NaN).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from halfprec.numerics.formats.elements import ELEMENTS, Element, float_only, power_below
@@ -36,9 +38,10 @@ def e8m0(amax: torch.Tensor, element: Element, rule: str = "floor") -> torch.Ten
     else:
         # amax / max = (mantissa / max_mantissa) * 2^(exponent - max_exponent), the first factor in
         # (0.5, 2): its log2 rounds up to 1 if the mantissas compare so, else to 0 (compared, not
-        # divided: a quotient just above 1 can round to 1)
-        max_mantissa, max_exponent = (float(v) for v in torch.frexp(torch.tensor(element.max)))
-        power = exponent - int(max_exponent) + (mantissa > max_mantissa).int()
+        # divided: a quotient just above 1 can round to 1); Python's frexp: a tensor's would end the
+        # compiled quantizer's graph (its .item())
+        max_mantissa, max_exponent = math.frexp(element.max)
+        power = exponent - max_exponent + (mantissa > max_mantissa).int()
     power = torch.where(amax > 0, power, E8M0_MIN)  # a block of zeros
     return torch.exp2(power.clamp(E8M0_MIN, E8M0_MAX).float())
 
