@@ -196,9 +196,9 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
     saturated = torch.zeros((), device=x.device)
     for p in parts:
         scaled = blocks[p] / divisor[p]
-        top = fmt.element.max if limit is None else limit[p]
+        top = None if limit is None else limit[p]  # None: the element's max
         if count_saturated:
-            saturated += (scaled.abs() > top).sum()
+            saturated += (scaled.abs() > (fmt.element.max if top is None else top)).sum()
         rounded = fmt.element.nearest(scaled, top) if noise is None else fmt.element.stochastic(scaled, noise[p], top)
         torch.mul(rounded, back[p], out=values[p])
     factor = outer_factor(outer, layout, size) if split_off else None

@@ -70,7 +70,7 @@ class Element:
         power = (x.view(torch.int32) & 0x7F800000).view(torch.float32)
         return power.clamp_(min=2.0**self.emin).mul_(2.0**-self.mbits)
 
-    def nearest(self, x: torch.Tensor, limit: torch.Tensor | float | None = None) -> torch.Tensor:
+    def nearest(self, x: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 -> the nearest value (ties to even), saturating at +-max (or +-`limit`, a value of the
         grid, one per block: scales.e8m0_limit). Finite inputs only.
 
@@ -81,11 +81,11 @@ class Element:
         if float_only(x):
             return self.nearest_by_splitting(x, limit)
         step = self.spacing(x)
-        limit = self.max if limit is None else limit
         # in place past the first op: a fresh large tensor per op cost a third more (page faults)
-        return x.div(step).round_().mul_(step).clamp_(-limit, limit)
+        rounded = x.div(step).round_().mul_(step)
+        return rounded.clamp_(-self.max, self.max) if limit is None else rounded.clamp_(-limit, limit)
 
-    def nearest_by_splitting(self, x: torch.Tensor, limit: torch.Tensor | float | None = None) -> torch.Tensor:
+    def nearest_by_splitting(self, x: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
         """`nearest` in float arithmetic alone (no bit views; see float_only), the same values: from
         2^emin up, Veltkamp's splitting rounds to the element's 1 + mbits significant bits, ties to
         even; below, where the spacing is the constant 2^(emin - mbits), adding and subtracting
@@ -96,9 +96,7 @@ class Element:
         below = (size + fixed) - fixed
         return torch.where(size < 2.0**self.emin, below, split(size, 1 + self.mbits)).copysign(x)
 
-    def stochastic(
-        self, x: torch.Tensor, bits: torch.Tensor, limit: torch.Tensor | float | None = None
-    ) -> torch.Tensor:
+    def stochastic(self, x: torch.Tensor, bits: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 -> one of the two values around it, the upper with probability (|x| - lo) / (hi - lo),
         so that the expected value is x; saturating at +-max (or +-`limit`, as for `nearest`). Finite
         inputs only. By hand: no library rounds stochastically onto these grids.
