@@ -1,8 +1,16 @@
 """The quantizer through torch.compile (precision.quantizer=compiled, the default on a GPU): the same
 values as the eager quantizer, bit for bit, stochastic draws included, in one fused kernel whatever
-the tensor's size. On a CPU inductor writes C++; tests/test_gpu.py holds the same on a GPU (Triton)."""
+the tensor's size. On a CPU inductor writes C++; tests/test_gpu.py holds the same on a GPU (Triton),
+and tests/triton_interpreter.py runs those Triton kernels on a CPU, in Triton's interpreter."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +35,11 @@ def awkward(shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
     return x
 
 
-def check_both_ways(x: torch.Tensor, name: str, axis: int, tile: bool, rounding: str) -> None:
+def check_both_ways(x: torch.Tensor, name: str, axis: int, tile: bool, rounding: str, rule: str = "floor") -> None:
     """The compiled and the eager quantizer on `x`, from generators in the same state, as a layer calls
     them (the scale its GEMM applies to the output split off)."""
     eager, compiled = (
-        quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, "floor", True, c, split=True)
+        quantize(x, name, axis, rounding, torch.Generator().manual_seed(7), tile, rule, True, c, split=True)
         for c in (False, True)
     )
     assert same_bits(compiled.values, eager.values), (name, axis, tile, rounding)
@@ -53,6 +61,30 @@ def test_every_format_compiled_gives_the_eager_values_bit_for_bit(name):
         for axis in (-1, 0):
             for rounding in ("nearest", "stochastic"):
                 check_both_ways(awkward((70, 200), seed=axis + 2), name, axis, tile, rounding)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rounding", [("mxfp8", "nearest"), ("mxfp4", "stochastic")])
+def test_rceils_saturation_near_fp32s_largest_value_compiles_to_the_same_values(name, rounding):
+    """rceil's blocks near fp32's largest value saturate below 2^128 (scales.e8m0_limit) the same way
+    compiled, with the awkward tensor's every other branch."""
+    x = awkward((70, 200), seed=4)
+    x[:8] = torch.finfo(torch.float32).max * (1 - torch.rand(8, 200, generator=torch.Generator().manual_seed(1)) ** 8)
+    assert not quantize(x, name, 0, scale_rule="rceil").values[:8].isinf().any()
+    check_both_ways(x, name, 0, False, rounding, "rceil")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
+def test_the_gpus_triton_kernels_run_by_tritons_interpreter_give_the_eager_values():
+    """tests/triton_interpreter.py: inductor's Triton kernels for the quantizer's GPU path, each
+    format's in one graph, run on a CPU by Triton's interpreter: the eager values bit for bit."""
+    script = Path(__file__).parent / "triton_interpreter.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = json.loads(result.stdout.splitlines()[-1])
+    assert cases and all(all(same.values()) for same in cases.values()), cases
 
 
 def kernels(shape: tuple[int, int], name: str, tile: bool) -> int:

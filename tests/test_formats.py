@@ -254,6 +254,48 @@ def test_the_mx_formats_equal_torchaos_quantizer(name, element, rule):
     assert torch.equal(fake_quantize(x, name, scale_rule=rule), torchao_mx(x, element, 32, rule))
 
 
+MX_FORMATS = [name for name, f in FORMATS.items() if f.scale == "e8m0"]
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def largest_finite_value(name: str) -> float:
+    """The format's largest value fp32 holds: an element of its grid times a power of two, below 2^128
+    (float64 products: exact)."""
+    products = FORMATS[name].element.grid.double()[1:, None] * 2.0 ** torch.arange(100, 128).double()
+    return products[products < 2.0**128].max().item()
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("name", MX_FORMATS)
+def test_fp32s_largest_value_stays_finite_under_either_scale_rule(name, rule):
+    """rceil's scale for a block holding fp32's largest value (E4M3: 2^120) makes it 255.99, which
+    rounds to 256: 2^128, past fp32. It saturates instead, at the format's largest finite value."""
+    q = quantize(block(FP32_MAX, -FP32_MAX, 1.0), name, scale_rule=rule, count_saturated=True)
+    assert q.values.isfinite().all()
+    if rule == "rceil":
+        top = largest_finite_value(name)
+        assert q.values[:3].tolist() == [top, -top, 0.0]
+        assert q.saturated.item() == (2 if top < FP32_MAX else 0)  # nothing past mxint8's 127/64 * 2^127
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("name", [n for n in MX_FORMATS if n != "mxint8"])
+def test_blocks_near_fp32s_largest_value_saturate_where_torchao_overflows(name, rule):
+    """torchao's quantizer, but its infinities (rceil's values past the format's largest finite one):
+    that value; every other value the same, bit for bit. floor's scales already saturate there."""
+    g = torch.Generator().manual_seed(8)
+    x = FP32_MAX * (1 - torch.rand(16, 32, generator=g) ** 4 * torch.logspace(-8, 0, 16)[:, None])
+    x = x * torch.randn(16, 32, generator=g).sign()
+    reference = torchao_mx(x, FORMATS[name].element.name, 32, rule)
+    assert reference.isinf().any() == (rule == "rceil")  # the edge case is there
+    expected = torch.where(reference.isinf(), largest_finite_value(name) * reference.sign(), reference)
+    for rounding in ("nearest", "stochastic"):
+        q = fake_quantize(x, name, rounding=rounding, scale_rule=rule, generator=torch.Generator().manual_seed(0))
+        assert q.isfinite().all()
+        if rounding == "nearest":
+            assert torch.equal(q, expected)
+
+
 def test_nvfp4_equals_torchaos_quantizer():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
     assert torch.equal(fake_quantize(x, "nvfp4"), torchao_nvfp4(x, x.abs().max() / (6 * 448)))

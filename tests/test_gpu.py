@@ -129,7 +129,8 @@ def test_fp8_loss_curve_follows_bf16(option, fmt, tmp_path):
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4", "fp8_block", "mxint8"])
 def test_the_compiled_quantizer_on_cuda_gives_the_eager_values_bit_for_bit(name):
     """Triton's kernels (precision.quantizer=auto on a GPU) against the eager ops on the same GPU,
-    stochastic rounding from the same draws: divisions and roundings must be IEEE's there too."""
+    stochastic rounding from the same draws: divisions and roundings must be IEEE's there too
+    (tests/triton_interpreter.py runs these kernels without a GPU, with numpy's IEEE arithmetic)."""
     from halfprec.numerics.formats import FORMATS, quantize
 
     g = torch.Generator(device="cuda").manual_seed(0)

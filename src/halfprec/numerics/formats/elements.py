@@ -70,38 +70,41 @@ class Element:
         power = (x.view(torch.int32) & 0x7F800000).view(torch.float32)
         return power.clamp_(min=2.0**self.emin).mul_(2.0**-self.mbits)
 
-    def nearest(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 -> the nearest value (ties to even), saturating at +-max. Finite inputs only.
+    def nearest(self, x: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 -> the nearest value (ties to even), saturating at +-max (or +-`limit`, a value of the
+        grid, one per block: scales.e8m0_limit). Finite inputs only.
 
         By arithmetic rather than through the casts that define it (torch's float8 dtypes, torchao's
         4- and 6-bit casts): x / spacing is exact (a power of two) and torch.round rounds half to
         even, so this is the cast, bit for bit (tests/test_formats.py holds it against them), in a
         fraction of the time: on a CPU, float8 -> float32 alone took 13x an elementwise op."""
         if float_only(x):
-            return self.nearest_by_splitting(x)
+            return self.nearest_by_splitting(x, limit)
         step = self.spacing(x)
         # in place past the first op: a fresh large tensor per op cost a third more (page faults)
-        return x.div(step).round_().mul_(step).clamp_(-self.max, self.max)
+        rounded = x.div(step).round_().mul_(step)
+        return rounded.clamp_(-self.max, self.max) if limit is None else rounded.clamp_(-limit, limit)
 
-    def nearest_by_splitting(self, x: torch.Tensor) -> torch.Tensor:
+    def nearest_by_splitting(self, x: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
         """`nearest` in float arithmetic alone (no bit views; see float_only), the same values: from
         2^emin up, Veltkamp's splitting rounds to the element's 1 + mbits significant bits, ties to
         even; below, where the spacing is the constant 2^(emin - mbits), adding and subtracting
         1.5 * 2^(23 + emin - mbits) rounds to its multiples (the fp32 sum's own rounding does it)."""
-        size = x.abs().clamp(max=self.max)  # max is a value: saturating first rounds the same
+        # max or limit, a value of the grid: saturating first rounds the same
+        size = x.abs().clamp(max=self.max if limit is None else limit)
         fixed = 1.5 * 2.0 ** (23 + self.emin - self.mbits)
         below = (size + fixed) - fixed
         return torch.where(size < 2.0**self.emin, below, split(size, 1 + self.mbits)).copysign(x)
 
-    def stochastic(self, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    def stochastic(self, x: torch.Tensor, bits: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 -> one of the two values around it, the upper with probability (|x| - lo) / (hi - lo),
-        so that the expected value is x; saturating at +-max. Finite inputs only. By hand: no library
-        rounds stochastically onto these grids.
+        so that the expected value is x; saturating at +-max (or +-`limit`, as for `nearest`). Finite
+        inputs only. By hand: no library rounds stochastically onto these grids.
 
         floor(|x| / gap + u), u uniform on the 2^15 multiples of 2^-15 in [0, 1), from the low 15
         bits of `bits` (an integer tensor of x's shape, formats.random_bits): the probability is
         exact to 2^-15 of a gap (hardware draws a few random bits per value too)."""
-        size = x.abs().clamp(max=self.max)
+        size = x.abs().clamp(max=self.max if limit is None else limit)
         step = self.spacing(size)
         if float_only(x):  # out of place: compiled, each in-place op became a pass of its own
             u = (bits & 0x7FFF).float() * 2.0**-15  # int32 bits: formats.quantize converts them

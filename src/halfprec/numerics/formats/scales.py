@@ -3,7 +3,8 @@
 - E8M0 (the MX formats): a power of two, 2^-127..2^127. OCP MX v1.0 takes
   2^(floor(log2(amax)) - emax), emax the element's (INT8's 0) ("floor": the block's largest value
   may then saturate to the element's max); cuBLAS and torchao's RCEIL take
-  2^ceil(log2(amax / max)), so nothing saturates.
+  2^ceil(log2(amax / max)), so nothing saturates (but a value near fp32's largest, which can round
+  up to 2^128: e8m0_limit).
   Exponents come from frexp, exact where a float log2 can round the wrong way near a power of two.
 - fp32: amax / max (the fp8 recipes: per tensor, per row, DeepSeek-V3's 1x128 and 128x128 blocks).
 - NVFP4's two levels: one fp32 scale for the tensor, amax(tensor) / (6 * 448), and per block
@@ -15,6 +16,8 @@ handled by the caller (formats/__init__.py: NaN).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -35,9 +38,10 @@ def e8m0(amax: torch.Tensor, element: Element, rule: str = "floor") -> torch.Ten
     else:
         # amax / max = (mantissa / max_mantissa) * 2^(exponent - max_exponent), the first factor in
         # (0.5, 2): its log2 rounds up to 1 if the mantissas compare so, else to 0 (compared, not
-        # divided: a quotient just above 1 can round to 1)
-        max_mantissa, max_exponent = (float(v) for v in torch.frexp(torch.tensor(element.max)))
-        power = exponent - int(max_exponent) + (mantissa > max_mantissa).int()
+        # divided: a quotient just above 1 can round to 1); Python's frexp: a tensor's would end the
+        # compiled quantizer's graph (its .item())
+        max_mantissa, max_exponent = math.frexp(element.max)
+        power = exponent - max_exponent + (mantissa > max_mantissa).int()
     power = torch.where(amax > 0, power, E8M0_MIN)  # a block of zeros
     return torch.exp2(power.clamp(E8M0_MIN, E8M0_MAX).float())
 
@@ -52,6 +56,17 @@ def e8m0_by_powers(amax: torch.Tensor, element: Element, rule: str) -> torch.Ten
         # (both quotients exact, in [1, 2); a block of zeros compares NaN, so False)
         power = torch.where(amax / below > element.max / 2.0**element.emax, power * 2.0, power)
     return power.clamp(2.0**E8M0_MIN, 2.0**E8M0_MAX)
+
+
+def e8m0_limit(scale: torch.Tensor, element: Element) -> torch.Tensor:
+    """The largest element value whose product with a block's E8M0 `scale` fp32 holds: the element's
+    max, but from a scale of 2^(128 - emax) (rceil's for blocks near fp32's largest value; floor's stop
+    at 2^(127 - emax)) fp32's largest value with the element's significant bits over the scale (E4M3
+    at 2^120: 240, so 1.875 * 2^127, where 255.99 would round to 256: 2^128, inf). The hardware keeps
+    (256, 2^120), a value no fp32 holds; this saturates to the format's largest finite one, which
+    bf16 holds too. Always a value of the element's grid."""
+    top = (2.0 - 2.0**-element.mbits) * 2.0**E8M0_MAX
+    return (top / scale).clamp(max=element.max)  # exact, over a power of two (inf for small scales: clamped)
 
 
 def fp32(amax: torch.Tensor, element: Element) -> torch.Tensor:
