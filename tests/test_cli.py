@@ -289,7 +289,8 @@ def test_promised_command_runs(command, runs):
     assert math.isfinite(rows[-1]["train/loss"]) and "val/acc" in rows[-1]
 
     # It says where it writes, first and in its last line; no empty <job>.log beside metrics.jsonl.
-    lines = result.stderr.strip().splitlines()
+    # (On a loaded machine W&B's start can outlast the 3 steps: its wait is said after the done line.)
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("W&B is still starting")]
     assert lines[0] == f"run dir: {result.run_dir}"
     assert lines[-1].startswith("done: 3 steps in ") and lines[-1].endswith(f" | {result.run_dir}")
     assert not list(result.run_dir.glob("*.log"))
