@@ -18,6 +18,7 @@ import yaml
 from omegaconf import DictConfig
 
 from halfprec.errors import ConfigError
+from halfprec.launch.exits import in_sweep
 
 # Hydra settings that name the sweep dir or the mode; the continue command gives its own.
 NOT_REPEATED = ("hydra.sweep.dir=", "hydra.mode=")
@@ -90,23 +91,20 @@ def finished_job(run_dir: Path, max_steps: int) -> dict | None:
 def skipped_job(cfg: DictConfig) -> dict | None:
     """finished_job for this Hydra job when it is one of a sweep continued with resume=auto."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    hydra = HydraConfig.get()
-    if hydra.mode != RunMode.MULTIRUN or cfg.get("resume") != "auto":
+    if not in_sweep() or cfg.get("resume") != "auto":
         return None
-    return finished_job(Path(hydra.runtime.output_dir), int(cfg.trainer.max_steps))
+    return finished_job(Path(HydraConfig.get().runtime.output_dir), int(cfg.trainer.max_steps))
 
 
 def say_if_new_run_dir(cfg: DictConfig) -> None:
     """A single run with resume=auto and no hydra.run.dir gets a new, empty run dir: say so, since
     the user meant to continue an earlier run."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
-    hydra = HydraConfig.get()
-    if hydra.mode == RunMode.MULTIRUN or cfg.get("resume") != "auto":
+    if in_sweep() or cfg.get("resume") != "auto":
         return
+    hydra = HydraConfig.get()
     if not any(o.startswith("hydra.run.dir=") for o in hydra.overrides.hydra):
         print(
             f"resume=auto: {hydra.runtime.output_dir} is a new run dir, with nothing to continue: training starts "
