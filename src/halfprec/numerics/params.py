@@ -65,8 +65,7 @@ class ParamStrategy:
         """After the optimizer step (or the skip): bring the update into the model's weights."""
 
     def drop_grads(self) -> None:
-        """model.zero_grad(set_to_none=True) for the trainable parameters, from the list at hand:
-        Module.zero_grad walks every submodule to find them (18 vs 0.4 us on the digits MLP)."""
+        """model.zero_grad(set_to_none=True) from the list at hand, without Module.zero_grad's walk."""
         for p in self.model_params:
             p.grad = None
 
@@ -117,8 +116,7 @@ class FP32Params(ParamStrategy):
             torch._foreach_mul_(grads, inv_scale)
         return grads
 
-    # finish_: the optimizer stepped the model's own weights, nothing to bring (and no no_grad to
-    # enter: ~8 us, the size of a 1 ms CPU MLP's whole overhead)
+    # finish_: the optimizer stepped the model's own weights; nothing to bring, no no_grad to enter
 
 
 class MasterWeights(ParamStrategy):

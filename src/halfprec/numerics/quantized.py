@@ -67,10 +67,8 @@ class Recipe:
     wgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("weight-gradient GEMM, dW = dy^T x"))] = None
 
     def for_format(self, fmt: str) -> Recipe:
-        """The recipe a layer in `fmt` follows: square weight blocks only where the format has them
-        (nvfp4, fp8_block), so that one recipe serves a plan of several formats (precision=nvfp4 with
-        a rule sending the attention to mxfp8). The E8M0 rule needs no such care: `quantize` applies
-        it to the operands whose format has E8M0 scales."""
+        """The recipe a layer in `fmt` follows: square weight blocks only where the format has them,
+        so that one recipe serves a plan of several formats."""
         return replace(self, weight_2d=False) if self.weight_2d and FORMATS[fmt].tile is None else self
 
     def gemms(self, fmt: str) -> dict[str, str]:
@@ -296,9 +294,8 @@ def gemm(a: Operand, b: Operand) -> torch.Tensor:
 
 def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
     """a @ b with scales per `size` values of the contraction, as DeepSeek-V3 promotes them: each
-    chunk's product scaled by its scales and the chunks summed in fp32. One batched GEMM (an op count
-    independent of the contraction's length), at the cost of two chunks x M x N fp32 temporaries (a
-    768 -> 3072 layer's forward at 8192 tokens: 6 x 8192 x 3072 x 4 bytes, 0.6 GB each)."""
+    chunk's product scaled by its scales and the chunks summed in fp32. One batched GEMM, whatever the
+    contraction's length, at the cost of two chunks x M x N fp32 temporaries."""
     m, k = a.values.shape
     pad = -k % size
     chunks = (k + pad) // size
@@ -320,11 +317,10 @@ def times(fa: torch.Tensor | None, fb: torch.Tensor | None) -> torch.Tensor | No
 
 
 def product(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """a @ b (matrices or batches) with fp32 accumulation. Where bf16 holds both operands' values, the
-    GEMM takes them as bf16 with fp32 sums and output: on a GPU through out_dtype (tensor cores), on a
-    CPU with bf16 units through oneDNN's bf16 math mode for fp32 GEMMs (AMX: 3x faster than fp32 at
-    2048x512x2048 on one thread; mm's out_dtype is CUDA-only in torch 2.14, and a bf16 GEMM writes
-    bf16, one rounding more). The conversion to bf16 is exact for these values: the same products."""
+    """a @ b (matrices or batches) with fp32 accumulation. Where bf16 holds both operands' values (the
+    conversion is exact), the GEMM takes them as bf16 with fp32 sums and output: on a GPU through
+    out_dtype, on a CPU with bf16 units through oneDNN's bf16 math mode (mm's out_dtype is CUDA-only,
+    and a bf16 GEMM would round its output to bf16)."""
     if bf16 and a.device.type == "cuda":
         return (torch.mm if a.dim() == 2 else torch.bmm)(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
     if bf16 and a.device.type == "cpu" and cpu_bf16():
@@ -335,9 +331,9 @@ def product(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> torch.Tensor:
 
 @functools.cache
 def cpu_bf16() -> bool:
-    """Whether oneDNN's bf16 math mode takes effect on this CPU's fp32 GEMMs. bf16 units are not enough:
-    on an AMD EPYC with AVX512-BF16 (no AMX) torch 2.14 keeps them IEEE fp32 under the mode (measured),
-    so a probe decides: 1 + 2^-10, not a bf16 value, comes back as 1 only where the mode rounds."""
+    """Whether oneDNN's bf16 math mode takes effect on this CPU's fp32 GEMMs. bf16 units are not enough
+    (without AMX the mode may keep IEEE fp32), so a probe decides: 1 + 2^-10 comes back as 1 only where
+    the mode rounds to bf16."""
     if native_bf16(cpu_flags()) is not True:
         return False
     ones = torch.full((32, 32), 1 + 2**-10)
@@ -371,12 +367,10 @@ def gemm_note(device_type: str) -> str:
 
 
 def keep_eager(model: nn.Module) -> None:
-    """Leave the quantized layers eager under torch.compile (the rest of the model compiles around
-    them): torch 2.14's inductor fails on the blocked views (an AssertionError in its CPU loop
-    splitting), and a layer whose statistics and random draws are Python state would recompile on
-    every change of them. Per instance at compile time, not `@torch.compiler.disable` on the class:
-    the decorator imports torch._dynamo (1-2 s on a CPU) as this module is imported, which config
-    validation does, so a config error waited for it (a run imports it anyway, with its optimizer)."""
+    """Leave the quantized layers eager under torch.compile: inductor fails on their blocked views, and
+    their Python state (statistics, draws) would recompile them. Per instance, not
+    `@torch.compiler.disable` on the class, which imports torch._dynamo at import: config validation
+    imports this module, and a config error should not wait for dynamo."""
     for layer in model.modules():
         if isinstance(layer, QuantizedLinear):
             layer.forward = torch.compiler.disable(layer.forward)  # type: ignore[method-assign]

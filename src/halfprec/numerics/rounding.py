@@ -113,11 +113,8 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 to bf16 up or down with probability proportional to the distance.
-
-    bf16 is the top 16 bits of fp32: adding uniform noise to the 16 bits that are dropped
-    and truncating rounds each magnitude up with exactly that probability.
-    """
+    """fp32 -> bf16, up or down with probability proportional to the distance: uniform noise added to
+    the 16 bits bf16 drops, then truncated."""
     bits = x.float().contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
     # in place on the noise: one int32 temporary of the weight's size, not three

@@ -173,9 +173,8 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
                     scale_rule: str, count_saturated: bool,
                     split: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:  # fmt: skip
     """`quantize` past its checks: x blocked, scaled, rounded (stochastically with `bits`) and back;
-    last, each block's divisor, multiplier (and rceil's limit), for compiled_quantizer's sake (returned, inductor
-    stores them once per block; else it recomputed a block's scale, two dozen ops, for each value:
-    a compiled MXFP8 quantize along the first axis of 2048x512 took 2.9 ms, 0.8 ms stored)."""
+    last, each block's divisor, multiplier (and rceil's limit): returned so that inductor stores them
+    once per block instead of recomputing a block's scale for each value."""
     fmt = FORMATS[name]
     split_off = split and fmt.factor is not None
     blocks, layout = view(x.float(), axis, size, tile)
@@ -208,24 +207,19 @@ def quantize_blocks(x: torch.Tensor, name: str, axis: int, size: int | str, tile
 
 @functools.cache
 def compiled_quantizer() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]]:
-    """quantize_blocks through torch.compile: one fused kernel (C++ on a CPU, Triton on a GPU) where
-    the eager code launches an op at a time (85 on a GPU), the values the same bit for bit. Shapes
-    static: inductor's CPU loops over a padded or transposed view with symbolic sizes were not
-    vectorized (5-10x slower than static ones), so each (format, axis, shape) compiles once, a few
-    seconds each. Dynamo keeps 8 compiled versions of a function by default and then runs it eagerly
-    with a warning: a GPT's quantized layers use a few dozen, so the limit is raised to 256."""
-    import torch._dynamo  # 1-2 s of imports: only for a run that compiles its quantizers
+    """quantize_blocks through torch.compile: one fused kernel where the eager code launches an op at
+    a time, the same values bit for bit. Static shapes, since inductor leaves its CPU loops over
+    symbolic-size views unvectorized: each (format, axis, shape) compiles once, so the recompile limit
+    (8 by default, then eager) is raised to 256 for a GPT's few dozen."""
+    import torch._dynamo  # a slow import: only for a run that compiles its quantizers
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     return torch.compile(quantize_blocks, dynamic=False)
 
 
 def chunks(blocks: torch.Tensor, values: int = CHUNK) -> list[slice]:
-    """Blocks about `values` values at a time, on a CPU: a quantization's half-dozen temporaries
-    then fit in a core's cache and are reused, where whole-tensor ones were fresh memory each time
-    (a 4 MB tensor quantized in 1/2.3 of the time, in a training step). Not on a GPU, where each op
-    is a kernel launch of a few microseconds: chunks made an 8192x3072 MXFP8 quantize 13,490 ops
-    where the whole tensor is 85, whatever its size (counted under FakeTensorMode)."""
+    """Blocks about `values` values at a time, on a CPU, so a quantization's temporaries stay in a
+    core's cache (not on a GPU, where each chunk's ops would be more kernel launches)."""
     rows = max(1, values // max(1, blocks.shape[1] * blocks.shape[2]))
     return [slice(i, i + rows) for i in range(0, blocks.shape[0], rows)] or [slice(0, 0)]
 

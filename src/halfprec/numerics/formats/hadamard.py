@@ -33,8 +33,8 @@ def rotate(x: torch.Tensor, matrix: torch.Tensor, axis: int) -> torch.Tensor:
     moved = x.float().movedim(axis, 0)
     if moved.shape[0] % size:
         raise ValueError(f"a dimension of {moved.shape[0]} along axis {axis}: a multiple of {size} is rotated")
-    # matrix @ (groups, size, the rest): wide products, and no copy when the axis is already the first;
-    # (values / size, size) @ matrix^T, the obvious layout, was skinny and ran 10x slower on a CPU
+    # matrix @ (groups, size, the rest): wide products (the skinny (values / size, size) @ matrix^T is
+    # slow on a CPU), and no copy when the axis is already the first
     groups = moved.reshape(moved.shape[0] // size, size, -1)
     turned = (matrix.to(moved.device) @ groups).reshape(moved.shape)
     return turned.movedim(0, axis).to(x.dtype)

@@ -59,12 +59,10 @@ def e8m0_by_powers(amax: torch.Tensor, element: Element, rule: str) -> torch.Ten
 
 
 def e8m0_limit(scale: torch.Tensor, element: Element) -> torch.Tensor:
-    """The largest element value whose product with a block's E8M0 `scale` fp32 holds: the element's
-    max, but from a scale of 2^(128 - emax) (rceil's for blocks near fp32's largest value; floor's stop
-    at 2^(127 - emax)) fp32's largest value with the element's significant bits over the scale (E4M3
-    at 2^120: 240, so 1.875 * 2^127, where 255.99 would round to 256: 2^128, inf). The hardware keeps
-    (256, 2^120), a value no fp32 holds; this saturates to the format's largest finite one, which
-    bf16 holds too. Always a value of the element's grid."""
+    """The largest element value whose product with a block's E8M0 `scale` fp32 holds, a value of the
+    element's grid: the element's max, but below it for rceil's scales near fp32's largest value (E4M3
+    at 2^120: 240, where 256 would give 2^128, inf). The hardware keeps a value no fp32 holds; this
+    saturates to the largest finite one, which bf16 holds too."""
     top = (2.0 - 2.0**-element.mbits) * 2.0**E8M0_MAX
     return (top / scale).clamp(max=element.max)  # exact, over a power of two (inf for small scales: clamped)
 
