@@ -2,8 +2,8 @@
 whether its CPU computes in bf16 natively.
 
 torch's default (a thread per core) is fastest on an idle machine and worst on a busy one: OpenMP
-threads that wait for a core another process holds stall every op (the 500 default digits steps took
-22 s instead of 0.7 s on a busy 2-core machine). Both defaults leave room for the rest of the machine.
+threads that wait for a core another process holds stall every op. Both defaults leave room for the
+rest of the machine.
 """
 
 from __future__ import annotations

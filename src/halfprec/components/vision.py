@@ -1,8 +1,7 @@
 """The torchvision side of the datasets read from disk: transforms, and CIFAR-10 without md5 checks.
 
-A module of its own because importing torchvision takes ~1.7 s, which the in-memory datasets
-(digits, synthetic) should not pay: `halfprec.components.data.image_files` imports this only when a disk
-dataset is built.
+A module of its own so that the in-memory datasets (digits, synthetic) do not pay torchvision's
+slow import: `halfprec.components.data.image_files` imports this only when a disk dataset is built.
 """
 
 from __future__ import annotations

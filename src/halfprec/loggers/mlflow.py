@@ -65,7 +65,7 @@ class MlflowSink:
             for key, value in row.items()
             if key != "step" and isinstance(value, bool | int | float) and step > self.logged.get(key, -1)
         ]
-        if metrics:  # in MLflow's own thread: a SQLite write per row took ~6 ms of the step (metrics.jsonl has it)
+        if metrics:  # in MLflow's own thread: a SQLite write per row would hold the step up
             self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
         if len(self.pending) >= 100:  # what is written is let go of, a hundred rows at a time
             self._wait()

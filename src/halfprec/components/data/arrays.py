@@ -17,8 +17,8 @@ from halfprec.spec import Spec
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(1797 x 64 pixels in 0..16, labels). Read straight from the file scikit-learn ships, without
-    importing scikit-learn: that import takes ~1.3 s, a fifth of the default run's start-up."""
+    """(1797 x 64 pixels in 0..16, labels), read from the file scikit-learn ships without importing
+    scikit-learn, a slow import."""
     spec = importlib.util.find_spec("sklearn")
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
     if path is None or not path.is_file():  # a scikit-learn that keeps it elsewhere: its own loader

@@ -47,12 +47,8 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (batch, heads, time, head), rotated in fp32 and returned in x's dtype. fp32: the products
-        and sums are rounded once, at the end, not at each op in bf16. x's dtype: the attention then
-        computes in the dtype that autocast or a pure mode gave q and k, as with learned positions
-        (an fp32 result would turn a pure bf16 mode's attention fp32). A pure mode's model.to(bf16)
-        casts these buffers, as every buffer: cos and sin then have bf16's precision, that of the
-        q and k they rotate."""
+        """x: (batch, heads, time, head), rotated in fp32 (one rounding, at the end) and returned in
+        x's dtype, so the attention computes in the dtype the mode gave q and k."""
         time = x.shape[-2]
         cos, sin = self.cos[:time].float(), self.sin[:time].float()
         x1, x2 = x.float().chunk(2, dim=-1)

@@ -24,7 +24,7 @@ def create_timm_model(
     """`timm.create_model(name, in_chans=C, num_classes=...)`; `kwargs` are passed through. A model
     with a patch embedding (ViTs) is built for the data's image size unless kwargs name one."""
     import_torchvision("model", "timm")  # timm imports it: a mismatch with torch is one line, not timm's traceback
-    import timm  # ~2 s to import: only when a timm model is asked for
+    import timm  # a slow import: only when a timm model is asked for
 
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
