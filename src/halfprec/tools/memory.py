@@ -28,12 +28,10 @@ if TYPE_CHECKING:  # train.py imports Hydra; this module needs only the componen
 
 MB = 2**20
 
-# Tensors of parameter size each optimizer keeps per parameter, from its param_group settings. The
-# state only appears at the first step, so it is predicted from these rules, not read off
-# optimizer.state. Exact classes only: a subclass may keep more. A class without a rule has its
-# state measured instead (measured_state_bytes); the known ones keep their rules because a rule is
-# exact without stepping and cheap: no copy of the parameters (which a GPU near its limit may not
-# hold), no step (torchao compiles its own: seconds), and it says which setting keeps what.
+# Tensors of parameter size each optimizer keeps per parameter, from its param_group settings: the
+# state appears only at the first step, so it is predicted. Exact classes only (a subclass may keep
+# more); a class without a rule is measured (measured_state_bytes), which costs a copy of the
+# parameters and a step.
 STATE_TENSORS = {
     torch.optim.SGD: lambda group: 1 if group["momentum"] != 0 else 0,
     torch.optim.Adam: lambda group: 3 if group["amsgrad"] else 2,
@@ -126,43 +124,11 @@ def bytes_per_param(estimate: MemoryEstimate, params: ParamStrategy) -> BytesPer
 
 
 def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> MemoryEstimate:
-    """Bytes that one optimizer step on `batch` holds, for one process without FSDP.
-
-    The state is counted from parameter counts and dtypes; what the update adds beside the model's
-    own tensors is the parameter strategy's answer (numerics/params.py, `update_bytes`):
-
-    - params: every model parameter at its storage dtype (pure modes store weights in fp16/bf16 and
-      keep normalization layers fp32 under keep_norm_fp32); buffers alike.
-    - grads: one per trainable parameter, same size and dtype.
-    - master weights and master grads: fp32 tensors the optimizer steps beside the model's own.
-      MasterWeights: a persistent fp32 copy of every trainable parameter, and fp32 gradients made
-      from the low-precision ones at unscale (an fp32 parameter's gradient is moved, not copied).
-      LowPrecisionParams: no persistent copy, but from unscale to finish_ every low-precision
-      parameter is upcast to fp32 and gets an fp32 gradient: the same extra bytes, for the update.
-    - optimizer state: from the optimizer class and its param_group settings (SGD: a momentum
-      buffer unless momentum=0; Adam/AdamW: two moments, three with amsgrad), in the dtype the
-      optimizer steps (fp32 in every halfprec mode); halfprec's own optimizers (optim.state_dtype)
-      by their state_layout, torchao's low-bit AdamW by TORCHAO_STATE. Any other class (a subclass
-      of these included) is measured, not predicted: a new instance over zero copies of the
-      parameters takes one step, and its state is counted (measured_state_bytes); UnknownOptimizer
-      where that step fails.
-    - compensation: a rounding rule's buffers (Kahan: one per parameter, in its dtype; remainder:
-      an int16 per bf16 weight, the low half of its exact fp32 master).
-    - inputs: the batch's storages.
-
-    Activations are counted, not predicted: one forward of `batch` under the policy (autocast,
-    cast_input, loss in fp32) with saved_tensors_hooks recording every tensor autograd saves,
-    deduplicated by storage, without the parameters' and the batch's storages (counted above).
-    Autocast's low-precision weight copies are saved tensors with storages of their own, so they
-    count: in mixed modes they are memory beside the fp32 weights. The forward leaves buffers
-    (BatchNorm statistics) and the RNG as they were.
-
-    `total` sums the parts, although not all coexist: activations are freed while gradients are
-    made, and with master weights the low-precision gradients while master gradients are made. Not
-    counted: the allocator's rounding and cache, cuDNN/cuBLAS workspaces, temporaries in backward
-    (gradients of activations) and in the update (foreach/fused optimizer math, Kahan and
-    stochastic rounding), autocast's cached casts that are not saved, DDP's gradient buckets.
-    """
+    """Bytes that one optimizer step on `batch` holds, for one process without FSDP, part by part
+    (what each part counts and leaves out: docs/benchmarks.md, "memory.py"). The state is counted
+    from parameter counts and dtypes (the parameter strategy's `update_bytes` for the update's
+    copies); activations are counted in one forward of `batch` with saved_tensors_hooks, which
+    leaves buffers and the RNG as they were. `total` sums the parts, though not all coexist."""
     if is_sharded(c.model):
         raise ValueError("estimate_memory counts one process's unsharded model; FSDP shards are not supported")
     master_weights, master_grads = c.params.update_bytes()
