@@ -62,7 +62,7 @@ def choices(run_dir: Path, precision: str, keep: float, batches: int) -> tuple[d
         "first": in_order[:k],
         "last": in_order[len(in_order) - k :],
     }
-    summary = Summary.of(str(run_dir), run.step, run.precision.name, vars(recipe), measured, [preset.format])
+    summary = Summary.of(str(run_dir), run.step, run.config.precision.name, vars(recipe), measured, [preset.format])
     write(summary, run_dir, [])
     lines = [f"{name}: {', '.join(layers)}" for name, layers in picked.items()]
     return picked, [f"{k} of {len(candidates)} layers high in {preset.format}:", "", *lines]
