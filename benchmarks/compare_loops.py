@@ -61,18 +61,15 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from halfprec.components.models import create_model  # noqa: E402
-from halfprec.config import as_config, validate  # noqa: E402
+from halfprec.config import Config, compose  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
-from halfprec.numerics.params import build_params  # noqa: E402
 from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
 from halfprec.spec import Choice  # noqa: E402
-from halfprec.training.build import Components, build, build_optimizer, build_scheduler  # noqa: E402
+from halfprec.training.build import Components, build  # noqa: E402
 from halfprec.training.perf import math_kind, peak_tflops  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -498,7 +495,8 @@ def flops_per_image(model_cfg: Choice, work: Workload, device: torch.device) -> 
     return counter.get_total_flops() / 2
 
 
-def compose_cfg(work: Workload, precision: str, device: torch.device, clip: float | None) -> DictConfig:
+def compose_cfg(work: Workload, precision: str, device: torch.device, clip: float | None) -> Config:
+    """The workload's config; trainer.channels_last as the workload says (its batches follow)."""
     shape = ",".join(str(d) for d in work.input_shape)
     # build() needs a dataset; the steps use synthetic_batches(). task=lm warms its lr up, which the
     # other contenders' constant schedule does not.
@@ -514,14 +512,14 @@ def compose_cfg(work: Workload, precision: str, device: torch.device, clip: floa
         f"data.batch_size={work.batch_size}",
         f"precision={precision}",
         "sched=constant",
+        f"trainer.channels_last={str(work.channels_last and device.type == 'cuda').lower()}",
         *work.overrides,
     ]
     if clip is not None:
         overrides.append(f"optim.clip_grad_norm={clip}")
     if precision == "fp8" and device.type == "cpu":  # no fp8 tensor cores: torchao's emulation, to try the path
         overrides.append("precision.fp8_emulate=true")
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("train", overrides=overrides)
+    return compose(overrides, CONF)
 
 
 def synthetic_batches(work: Workload, device: torch.device, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -544,16 +542,6 @@ def inputs(work: Workload, n: int, device: torch.device, g: torch.Generator) -> 
     if work.tokens:
         return torch.randint(0, work.num_classes, (n, *work.input_shape), generator=g, device=device)
     return torch.randn((n, *work.input_shape), generator=g, device=device)
-
-
-def to_channels_last(c: Components, cfg: DictConfig) -> Components:
-    """For a halfprec without trainer.channels_last: convert its model here, then rebuild what holds
-    copies of the weights (fp32 master weights) so that they share the layout, as build() would."""
-    c.model.to(memory_format=torch.channels_last)
-    params = build_params(c.model, c.policy)
-    config = as_config(cfg)
-    optimizer = build_optimizer(config, params, c.model)
-    return dataclasses.replace(c, params=params, optimizer=optimizer, scheduler=build_scheduler(config, optimizer))
 
 
 # ---------------------------------------------------------------- one row of the table
@@ -587,19 +575,12 @@ def make_loops(
     device: torch.device,
     clip: float | None,
     frameworks: Iterable[str] = FRAMEWORKS,
-) -> tuple[list[Loop], dict[str, str], Components, DictConfig]:
+) -> tuple[list[Loop], dict[str, str], Components, Config]:
     """Build halfprec's components, then each other contender from a deep copy of the same model."""
     cfg = compose_cfg(work, precision, device, clip)
-    channels_last = work.channels_last and device.type == "cuda"
-    native_channels_last = "channels_last" in cfg.trainer  # halfprec versions with trainer.channels_last
-    if native_channels_last:
-        cfg.trainer.channels_last = channels_last  # the workload decides, for every contender alike
-    validate(cfg)
     c = build(cfg)
-    if channels_last and not native_channels_last:
-        c = to_channels_last(c, cfg)
     batches = synthetic_batches(work, c.device, cfg.seed)
-    if channels_last:
+    if cfg.trainer.channels_last:  # the workload decides, for every contender alike
         batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
     initial = copy.deepcopy(c.model)  # before any step: every contender starts from these weights
     new_optimizer = optimizer_like(c)
@@ -868,7 +849,7 @@ def main(argv: list[str] | None = None) -> None:
     flops = {}
     for key in args.models:
         work = WORKLOADS[key]
-        flops[key] = flops_per_image(as_config(compose_cfg(work, "fp32", device, None)).model, work, device)
+        flops[key] = flops_per_image(compose_cfg(work, "fp32", device, None).model, work, device)
     model_order = {WORKLOADS[key].label: i for i, key in enumerate(args.models)}
     for precision in args.precisions:  # precision-major: see DEFAULT_PRECISIONS
         for key in args.models:

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from halfprec.config import validate
+from halfprec.config import compose
 from halfprec.training.build import build
 from halfprec.training.diagnostics import Diagnostics
 
@@ -55,9 +54,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     variants = {"plain": (False, False), "grads": (True, False), "acts": (True, True)}
     for name, model_overrides in MODELS.items():
-        with initialize_config_dir(str(CONF), version_base="1.3"):
-            cfg = compose("train", overrides=["logger=none", "diagnostics=grads", *model_overrides, *args.overrides])
-        validate(cfg)
+        cfg = compose(["logger=none", "diagnostics=grads", *model_overrides, *args.overrides], CONF)
         c = build(cfg)
         diag = Diagnostics(cfg.diagnostics, c.model, c.params)
         x, y = next(c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device))  # one digits batch, reused

@@ -52,10 +52,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from compare_loops import CONF, fmt, machine, sync  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
 
-from halfprec.config import validate  # noqa: E402
+from halfprec.config import Config, compose  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
 from halfprec.machine import cpu_flags, native_bf16  # noqa: E402
 from halfprec.numerics.quantized import QuantizedLinear  # noqa: E402
@@ -104,7 +102,7 @@ class Mode:
 
     row: Row
     c: Components
-    cfg: DictConfig
+    cfg: Config
     steps_taken: int = 0
 
     def run(self, batches: Sequence[Batch], n: int) -> float:
@@ -123,25 +121,23 @@ class Mode:
         return seconds
 
 
-def compose_cfg(precision: str, device: torch.device, overrides: Sequence[str]) -> DictConfig:
+def compose_cfg(precision: str, device: torch.device, overrides: Sequence[str]) -> Config:
     """`train.py task=lm precision=<precision>` as train.py would compose it, without logging or
     progress output; `overrides` (the model's, --quick's) come last, so they win."""
     base = ["logger=none", "trainer.progress=false", f"trainer.device={device.type}", "task=lm"]
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("train", overrides=[*base, f"precision={precision}", *overrides])
+    return compose([*base, f"precision={precision}", *overrides], CONF)
 
 
 def make_mode(precision: str, device: torch.device, overrides: Sequence[str]) -> Mode:
     cfg = compose_cfg(precision, device, overrides)
-    validate(cfg)
     c = build(cfg)
     layers = sum(isinstance(m, QuantizedLinear) for m in c.model.modules())
     return Mode(Row(precision, quantized_layers=layers), c, cfg)
 
 
-def model_label(cfg: DictConfig) -> str:
-    m = cfg.model
-    return f"{m.n_layer}x{m.n_embd}, {m.n_head} heads, batch {cfg.data.batch_size} x {m.block_size} tokens"
+def model_label(cfg: Config) -> str:
+    m = cfg.model.args
+    return f"{m['n_layer']}x{m['n_embd']}, {m['n_head']} heads, batch {cfg.data.batch_size} x {m['block_size']} tokens"
 
 
 @dataclass
@@ -234,14 +230,14 @@ def measure(modes: list[Mode], args: argparse.Namespace) -> None:
         r = mode.row
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)
         r.ratio = statistics.median(r.ratios)
-        tokens = mode.cfg.data.batch_size * mode.cfg.model.block_size  # one micro-batch per step here
+        tokens = mode.cfg.data.batch_size * mode.cfg.model.args["block_size"]  # one micro-batch per step here
         r.tokens_per_s = tokens / (r.median_ms / 1000)
 
 
 # ---------------------------------------------------------------- output
 
 
-def environment(device: torch.device, args: argparse.Namespace, cfg: DictConfig) -> dict:
+def environment(device: torch.device, args: argparse.Namespace, cfg: Config) -> dict:
     return {
         **machine(device),
         "python": platform.python_version(),

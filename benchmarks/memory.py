@@ -48,7 +48,6 @@ from compare_loops import CONF, WORKLOADS, Workload, choose_rows, compose_cfg, m
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from halfprec.config import validate
 from halfprec.errors import ConfigError
 from halfprec.tools.memory import MB, bytes_per_param, estimate_memory
 from halfprec.training.build import Components, build
@@ -172,16 +171,15 @@ def resolve(mode: str) -> tuple[str, tuple[str, ...]]:
 def measure(work: Workload, mode: str, device: torch.device, steps: int) -> Row:
     start = time.perf_counter()
     precision, overrides = resolve(mode)
+    # trainer.channels_last as compare_loops: the workload decides, batches follow
     cfg = compose_cfg(dataclasses.replace(work, overrides=(*work.overrides, *overrides)), precision, device, None)
-    channels_last = work.channels_last and device.type == "cuda"
-    cfg.trainer.channels_last = channels_last  # as compare_loops: the workload decides, batches follow
+    channels_last = cfg.trainer.channels_last
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = synthetic_batches(dataclasses.replace(work, n_batches=1), device, cfg.seed + i)[0]
         return (x.contiguous(memory_format=torch.channels_last) if channels_last else x), y
 
     def train() -> tuple[Components, tuple[torch.Tensor, torch.Tensor], int]:
-        validate(cfg)
         c = build(cfg)
         # `steps` steps that update the weights: fp16's first scales may overflow, and a skipped
         # step makes no optimizer state, so a peak over skipped steps alone would miss it

@@ -40,11 +40,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 from torch import nn
 
-from halfprec.config import as_config, validate
+from halfprec.config import Config, compose
 from halfprec.training.build import Components, build, lr_factor, schedule_args
 from halfprec.training.metrics import evaluate
 from halfprec.training.run import run
@@ -57,22 +55,19 @@ QUICK_SCHED = ("sched.warmup_steps=2",)
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def compose_cfg(seed: int, steps: int, overrides: list[str]) -> DictConfig:
+def compose_cfg(seed: int, steps: int, overrides: list[str]) -> Config:
     """A fresh config per use: run() writes into its cfg (sched.total_steps, trainer.threads)."""
     fixed = [f"seed={seed}", f"trainer.max_steps={steps}", "logger=none", "trainer.progress=false"]
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=["task=lm", *fixed, *overrides])
-    validate(cfg)
-    return cfg
+    return compose(["task=lm", *fixed, *overrides], CONF)
 
 
-def check_nanogpt_can_run(cfg: DictConfig) -> None:
+def check_nanogpt_can_run(cfg: Config) -> None:
     """nanoGPT trains with AdamW, and its precision setting is an autocast dtype over fp32 weights:
     pure, fp8 and emulated number formats change the model itself, which the loop does not mirror."""
     if cfg.optim._target_ != "torch.optim.AdamW":  # the loop's optimizer is nanoGPT's, AdamW
         sys.exit(f"optim._target_={cfg.optim._target_}: the nanoGPT loop compares AdamW recipes only")
     p = cfg.precision
-    if p.param_dtype != "float32" or p.get("format"):
+    if p.param_dtype != "float32" or p.format:
         sys.exit(f"precision={p.name}: the nanoGPT loop runs fp32 weights under autocast only (fp32, tf32, bf16, fp16)")
 
 
@@ -125,7 +120,7 @@ def halfprec_decay_names(c: Components) -> set[str]:
     return {names[id(p)] for g in c.optimizer.param_groups if g.get("weight_decay", 0) > 0 for p in g["params"]}
 
 
-def autocast_and_scaler(cfg: DictConfig, device: torch.device) -> tuple[AbstractContextManager, torch.amp.GradScaler]:
+def autocast_and_scaler(cfg: Config, device: torch.device) -> tuple[AbstractContextManager, torch.amp.GradScaler]:
     """nanoGPT's `ctx` and `scaler`: autocast to the precision's dtype (none in fp32), a GradScaler
     enabled for float16 only."""
     dtype = AUTOCAST.get(cfg.precision.autocast or "")
@@ -133,12 +128,12 @@ def autocast_and_scaler(cfg: DictConfig, device: torch.device) -> tuple[Abstract
     return ctx, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
 
-def lr_at(it: int, cfg: DictConfig, control: bool) -> float:
+def lr_at(it: int, cfg: Config, control: bool) -> float:
     """The lr of step `it` (0-based): nanoGPT's get_lr with min_lr = lr/10 and lr_decay_iters =
     max_iters; --control: halfprec's schedule (sched.*), from halfprec's own function."""
     lr, steps = cfg.optim.lr, cfg.trainer.max_steps
     if control:
-        return lr * lr_factor(it, *schedule_args(as_config(cfg)))
+        return lr * lr_factor(it, *schedule_args(cfg))
     return get_lr(it, lr, cfg.sched.warmup_steps, steps, lr / 10)
 
 
@@ -149,12 +144,12 @@ def train_nanogpt(seed: int, steps: int, overrides: list[str], control: bool = F
     # build() seeds with cfg.seed and makes the same fresh GPT and dataset as halfprec's run. It also
     # builds halfprec's optimizer, scheduler and stepper: unused here (--control reads its groups).
     c = build(cfg)
-    model, device, o = c.model, c.device, cfg.optim
+    model, device, o = c.model, c.device, cfg.optim.args
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, device, 0, 1)
-    groups = nanogpt_groups(model, o.weight_decay, halfprec_decay_names(c) if control else None)
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    groups = nanogpt_groups(model, o["weight_decay"], halfprec_decay_names(c) if control else None)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(o["betas"]), eps=o["eps"])
     ctx, scaler = autocast_and_scaler(cfg, device)
-    grad_clip, accum = o.clip_grad_norm or 0.0, cfg.accum  # nanoGPT: grad_clip 0.0 = off
+    grad_clip, accum = cfg.optim.clip_grad_norm or 0.0, cfg.accum  # nanoGPT: grad_clip 0.0 = off
     lrs = []
     model.train()
     for it in range(steps):  # halfprec's step budget (nanoGPT's own loop runs max_iters + 1 steps)
@@ -215,21 +210,21 @@ def halfprec_groups(overrides: list[str], steps: int) -> list[str]:
     return out
 
 
-def differences(cfg: DictConfig, seeds: list[dict], halfprec_split: list[str], control: bool) -> list[str]:
+def differences(cfg: Config, seeds: list[dict], halfprec_split: list[str], control: bool) -> list[str]:
     """The recipes side by side, from the config and what each run really used (lr of step 1 and of
     the last step: halfprec's from its metrics.jsonl)."""
     h, n = seeds[0]["halfprec"], seeds[0]["nanogpt"]
     g = n["groups"]
-    s, o = cfg.sched, cfg.optim
+    s, o, args = cfg.sched, cfg.optim, cfg.optim.args
     lines = [f"- halfprec param groups: {'; '.join(halfprec_split)}"]
     lines.append(
         f"- nanoGPT loop param groups{' (--control: halfprec split)' if control else ''}: decay "
-        f"{g['decay']['tensors']} tensors ({g['decay']['numel']:,} values, weight_decay {o.weight_decay:g}), "
+        f"{g['decay']['tensors']} tensors ({g['decay']['numel']:,} values, weight_decay {args['weight_decay']:g}), "
         f"no decay {g['no_decay']['tensors']} tensors ({g['no_decay']['numel']:,} values)"
     )
     lines.append(
         f"- halfprec lr: sched={s.name}, {s.warmup_steps} warmup steps (lr*(step+1)/warmup), then cosine to "
-        f"min_lr_ratio*lr = {o.lr * s.get('min_lr_ratio', 0.0):.3g} at step {cfg.trainer.max_steps}; "
+        f"min_lr_ratio*lr = {o.lr * getattr(s, 'min_lr_ratio', 0.0):.3g} at step {cfg.trainer.max_steps}; "
         f"used {h['first_lr']:.3g} at step 1, {h['last_lr']:.3g} at the last step"
     )
     if not control:
@@ -238,10 +233,12 @@ def differences(cfg: DictConfig, seeds: list[dict], halfprec_split: list[str], c
             f"min_lr = lr/10 = {o.lr / 10:.3g} at lr_decay_iters = max_iters = {cfg.trainer.max_steps}; "
             f"used {n['first_lr']:.3g} at step 1, {n['last_lr']:.3g} at the last step"
         )
-    shape = f"{cfg.data.batch_size} x {cfg.model.block_size} tokens x accum {cfg.accum}"
-    z_loss = f"; halfprec adds z_loss {cfg.task.z_loss:g} to its training loss" if cfg.task.z_loss else ""
+    shape = f"{cfg.data.batch_size} x {cfg.model.args['block_size']} tokens x accum {cfg.accum}"
+    z = cfg.task.args["z_loss"]
+    z_loss = f"; halfprec adds z_loss {z:g} to its training loss" if z else ""
     lines.append(
-        f"- both: AdamW lr {o.lr:g} betas {tuple(o.betas)} eps {o.eps:g}, clip {o.clip_grad_norm}, {shape}, "
+        f"- both: AdamW lr {o.lr:g} betas {tuple(args['betas'])} eps {args['eps']:g}, clip {o.clip_grad_norm}, "
+        f"{shape}, "
         f"{cfg.trainer.max_steps} steps; halfprec skips a step whose gradients hold inf/NaN, nanoGPT does not{z_loss}"
     )
     return lines
@@ -254,7 +251,7 @@ def mean_std(values: list[float], spec: str = ".4f") -> str:
     return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):.4f}"
 
 
-def markdown(cfg: DictConfig, seeds: list[dict], recipes: list[str], command: str) -> str:
+def markdown(cfg: Config, seeds: list[dict], recipes: list[str], command: str) -> str:
     lines = [f"`{command}`", "", *recipes, ""]
     lines += ["| seed | halfprec val/loss | nanoGPT-loop val/loss | nanoGPT - halfprec |", "|---:|---:|---:|---:|"]
     for s in seeds:

@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from hydra import compose, initialize_config_dir
 
+from halfprec.config import compose
 from halfprec.tools.sensitivity.measure import load_run, measure, parse_recipe
 from halfprec.tools.sensitivity.output import Summary, write
 from halfprec.tools.sensitivity.rules import keep_high, ranked, rules_list
@@ -47,8 +47,7 @@ def reference_run(out: Path, steps: int) -> Path:
 
 def choices(run_dir: Path, precision: str, keep: float, batches: int) -> tuple[dict[str, list[str]], list[str]]:
     """Each way of choosing the layers kept high -> their names; and the markdown of the measurement."""
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        preset = compose("train", overrides=[f"precision={precision}"]).precision
+    preset = compose(["task=lm", f"precision={precision}"], REPO / "conf").precision
     run = load_run(run_dir)
     recipe = parse_recipe("run", preset.recipe)
     measured = measure(run, [preset.format], batches, recipe, seed=0)
@@ -62,7 +61,7 @@ def choices(run_dir: Path, precision: str, keep: float, batches: int) -> tuple[d
         "first": in_order[:k],
         "last": in_order[len(in_order) - k :],
     }
-    summary = Summary.of(str(run_dir), run.step, run.precision.name, vars(recipe), measured, [preset.format])
+    summary = Summary.of(str(run_dir), run.step, run.config.precision.name, vars(recipe), measured, [preset.format])
     write(summary, run_dir, [])
     lines = [f"{name}: {', '.join(layers)}" for name, layers in picked.items()]
     return picked, [f"{k} of {len(candidates)} layers high in {preset.format}:", "", *lines]

@@ -33,8 +33,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from halfprec.config import from_saved  # noqa: E402
 from halfprec.tools.report.runs import Job, find_jobs  # noqa: E402
-from halfprec.tools.sensitivity.measure import WHOLE  # noqa: E402
+from halfprec.tools.sensitivity.measure import WHOLE, find_checkpoint  # noqa: E402
+from halfprec.training.checkpoint import load_checkpoint  # noqa: E402
 
 OPERANDS = ("input", "weight", "grad_output")
 SCORES = (*OPERANDS, "mean")
@@ -182,7 +184,7 @@ def main() -> int:
     jobs = [job for job in find_jobs(args.sweep) if job.status == "completed"]
     if not jobs:
         sys.exit(f"shadow_check: no finished job in {args.sweep}")
-    formats = list(jobs[0].config["diagnostics"]["shadow"])
+    formats = from_saved(load_checkpoint(find_checkpoint(jobs[0].dir))["config"]).diagnostics.shadow
     measured = [measure(job, formats, args.batches) for job in jobs]
     results = {fmt: [compare(job, m, fmt) for job, m in zip(jobs, measured)] for fmt in formats}
     lines = [f"{len(jobs)} runs of {args.sweep}; the sensitivity tool on step {measured[0]['step']}", ""]

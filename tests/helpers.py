@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from halfprec.config import Config, validate
-from halfprec.config.typed import typed
+from halfprec.config import compose as compose_typed
 from halfprec.training.build import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -30,9 +30,7 @@ def compose_cfg(*overrides: str):
 
 def typed_cfg(*overrides: str) -> Config:
     """The config a run reads: composed as compose_cfg does, validated and typed."""
-    cfg = compose_cfg(*overrides)
-    validate(cfg)
-    return typed(cfg)
+    return compose_typed(["logger=none", "trainer.progress=false", *overrides], CONF)
 
 
 def build_from(*overrides: str) -> tuple[Components, object]:

@@ -85,13 +85,14 @@ def test_a_checkpoint_from_before_the_converters_resumes_as_the_fp8_run_it_was(o
     is precision=fp8_row now)."""
     from pathlib import Path
 
-    from halfprec.config import saved
+    from halfprec.config import from_saved, saved
     from halfprec.training.checkpoint import check_resume_config
 
-    new = saved(typed_cfg(f"precision={option}"))
-    p = {**new["precision"], "name": "fp8", "fp8": recipe, "format": None, "kernel": "emulated"}
-    old = {**new, "precision": {**p, "recipe": {**p["recipe"], "grad_format": None}}}
+    new = typed_cfg(f"precision={option}")
+    tree = saved(new)
+    p = {**tree["precision"], "name": "fp8", "fp8": recipe, "format": None, "kernel": "emulated"}
+    old = from_saved({**tree, "precision": {**p, "recipe": {**p["recipe"], "grad_format": None}}})
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
-    emulated = saved(typed_cfg(f"precision={option}", "precision.kernel=emulated"))
+    emulated = typed_cfg(f"precision={option}", "precision.kernel=emulated")
     with pytest.raises(ConfigError, match="was trained with precision.kernel='native'"):  # torchao's layers
         check_resume_config(old, emulated, Path("step-00000004.pt"))

@@ -19,7 +19,7 @@ from test_resume import without_perf
 from halfprec.components.models import create_model
 from halfprec.components.models import gpt as gpt_module
 from halfprec.components.models.gpt import Rotary, create_gpt
-from halfprec.config import saved
+from halfprec.config import from_saved, saved
 from halfprec.errors import ConfigError
 from halfprec.numerics.quantized import QuantizedLinear
 from halfprec.training.build import build
@@ -185,17 +185,18 @@ def test_a_gpt_checkpoint_from_before_the_variants_resumes_as_the_learned_tied_g
     data.dtype) were of GPTs with learned positions, a tied head, torch's eps and no biases: one
     resumes as that model, not as a rotary one or one with biases; a model without those keys (the
     MLP) is not held to them; precision.quantizer changes no value."""
-    new = saved(typed_cfg("task=lm"))
+    new = typed_cfg("task=lm")
     added = ("pos", "rope_base", "tie_embeddings", "norm_eps", "bias")
-    old = {**new, "model": {k: v for k, v in new["model"].items() if k not in added}}
+    tree = saved(new)
+    old = from_saved({**tree, "model": {k: v for k, v in tree["model"].items() if k not in added}})
     assert check_resume_config(old, new, Path("step-00000004.pt")) == []
-    rope = saved(typed_cfg("task=lm", "model.pos=rope"))
+    rope = typed_cfg("task=lm", "model.pos=rope")
     with pytest.raises(ConfigError, match=r"model.pos=rope: .* was trained with model.pos='learned'"):
         check_resume_config(old, rope, Path("step-00000004.pt"))
     with pytest.raises(ConfigError, match=r"^model.bias=true: .* was trained with model.bias=False"):
-        check_resume_config(old, saved(typed_cfg("task=lm", "model.bias=true")), Path("step-00000004.pt"))
-    compiled = saved(typed_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled"))
-    eager = saved(typed_cfg("task=lm", "precision=mxfp8"))
+        check_resume_config(old, typed_cfg("task=lm", "model.bias=true"), Path("step-00000004.pt"))
+    compiled = typed_cfg("task=lm", "precision=mxfp8", "precision.quantizer=compiled")
+    eager = typed_cfg("task=lm", "precision=mxfp8")
     assert check_resume_config(eager, compiled, Path("s.pt")) == ["precision.quantizer: 'auto' -> 'compiled' (allowed)"]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from halfprec.config import saved, validate
+from halfprec.config import from_saved, saved, validate
 from halfprec.errors import ConfigError
 from halfprec.training.build import build
 from halfprec.training.checkpoint import check_resume_config
@@ -74,10 +74,15 @@ def test_bad_no_decay_entries_are_one_line(overrides, message):
 def test_a_checkpoint_from_before_the_groups_resumes_only_where_nothing_changes():
     """Older checkpoints decayed every tensor: resuming one that used weight decay with no_decay's
     default would change the update (and the optimizer's groups), so it is an error naming the key."""
-    new = saved(typed_cfg(*GPT))
-    old = {**new, "optim": {k: v for k, v in new["optim"].items() if k != "no_decay"}}
+    new = typed_cfg(*GPT)
+    old = from_saved(without(saved(new), "optim", "no_decay"))
     with pytest.raises(ConfigError, match=r"optim.no_decay=\['low_dim'\]: .* was trained with optim.no_decay=\[\]"):
         check_resume_config(old, new, Path("step-00000004.pt"))
-    sgd = saved(typed_cfg())  # weight decay 0: one group either way
-    old_sgd = {**sgd, "optim": {k: v for k, v in sgd["optim"].items() if k != "no_decay"}}
+    sgd = typed_cfg()  # weight decay 0: one group either way
+    old_sgd = from_saved(without(saved(sgd), "optim", "no_decay"))
     assert check_resume_config(old_sgd, sgd, Path("step-00000004.pt")) == []
+
+
+def without(tree: dict, group: str, key: str) -> dict:
+    """A saved config from before `group.key`."""
+    return {**tree, group: {k: v for k, v in tree[group].items() if k != key}}

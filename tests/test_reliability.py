@@ -333,7 +333,7 @@ def test_api_key_never_reaches_saved_files(tmp_path, monkeypatch, capsys):
 
 
 def test_saved_configs_are_redacted(monkeypatch):
-    from halfprec.config.typed import redact
+    from halfprec.config.saved import redact
 
     monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-key")
     config = {"logger": {"note": "key=s3cr3t-key", "api_key": "other"}, "tags": ["s3cr3t-key", "ok"], "lr": 0.1}

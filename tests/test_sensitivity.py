@@ -79,11 +79,10 @@ class Batches:
 
 
 def toy_run(model: nn.Module, batches: list) -> Run:
-    saved = {"data": {"batch_size": 8}, "seed": 0}
-    precision = typed_cfg("precision=fp32").precision
-    policy = PrecisionPolicy.from_config(precision, "cpu")
+    config = typed_cfg("precision=fp32", "data.batch_size=8", "seed=0")
+    policy = PrecisionPolicy.from_config(config.precision, "cpu")
     data = Batches(batches)
-    return Run(saved, precision, Path("toy.pt"), 0, model.eval(), data, Classification(), policy, torch.device("cpu"))  # type: ignore[arg-type]
+    return Run(config, Path("toy.pt"), 0, model.eval(), data, Classification(), policy, torch.device("cpu"))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,21 @@
-"""The composed config: schemas (schema.py), the rules that span keys (rules.py), validation."""
+"""The config: schemas (schema.py), the rules that span keys (rules.py), validation, the typed form
+the code reads (typed.py) and the saved tree loggers and checkpoints keep (saved.py)."""
 
 from halfprec.config.rules import config_warnings, resolve_device
+from halfprec.config.saved import changes, from_saved, saved
 from halfprec.config.schema import Config
-from halfprec.config.typed import as_config, fail_fast_of, objective_of, saved
+from halfprec.config.typed import as_config, checked, compose, fail_fast_of, objective_of
 from halfprec.config.validate import validate, validate_optimizer
 
 __all__ = [
     "Config",
     "as_config",
+    "changes",
+    "checked",
+    "compose",
     "config_warnings",
     "fail_fast_of",
+    "from_saved",
     "objective_of",
     "resolve_device",
     "saved",

@@ -200,8 +200,8 @@ class Data(Choice):
 class Config(Top):
     """The run's config as the code reads it (config/typed.py builds it once validate() has passed):
     the fixed groups as their dataclasses, the components as their choice and arguments, and each
-    logger's keys (config/typed.py's `saved` gives it back as composed, for W&B, checkpoints and the
-    resume check). Nothing outside config/ reads the composed DictConfig."""
+    logger's keys. config/saved.py dumps it as composed (W&B, checkpoints) and reads a checkpoint's
+    back. Nothing outside config/ reads the composed DictConfig."""
 
     task: Choice
     precision: Precision  # with recipe a numerics/quantized.Recipe and rules QuantRules

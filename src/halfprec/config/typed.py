@@ -1,18 +1,20 @@
-"""The composed config, once valid, as the typed objects the code reads (schema.Config), and back:
-`typed(cfg)` after validate(); `saved(config)`, the resolved config as W&B, checkpoints and the
-resume check keep it (secrets redacted)."""
+"""The composed config, once valid, as the typed objects the code reads (schema.Config): `typed(cfg)`
+after validate(); `compose(overrides)` for a script, as train.py would compose, validate and type it."""
 
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import asdict, fields, is_dataclass
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from halfprec.config import schema
+from halfprec.config.validate import validate, validate_optimizer
 from halfprec.spec import Choice
+
+CONF = Path(__file__).resolve().parents[3] / "conf"  # the checkout's (halfprec is installed editable from it)
 
 # the key that names each component's choice; the group's other keys are its arguments
 CHOSEN_BY = {"task": "name", "init": "scheme", "model": "arch", "data": "name"}
@@ -21,7 +23,11 @@ VARIANTS = {"scaler": ("kind", schema.SCALERS), "sched": ("name", schema.SCHEDUL
 
 def typed(cfg: DictConfig) -> schema.Config:
     """The validated `cfg` as a schema.Config (validate(cfg) first: this checks nothing)."""
-    tree: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    return from_tree(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+
+
+def from_tree(tree: dict[str, Any]) -> schema.Config:
+    """A resolved config tree (composed, or saved: config/saved.py) as a schema.Config."""
     groups: dict[str, Any] = {key: tree[key] for key in ("accum", "seed", "resume", "objective", "fail_fast")}
     for group in CHOSEN_BY:
         groups[group] = choice_of(group, tree[group])
@@ -74,50 +80,19 @@ def as_config(cfg: DictConfig | schema.Config) -> schema.Config:
     return cfg if isinstance(cfg, schema.Config) else typed(cfg)
 
 
-def as_tree(config: schema.Config) -> dict[str, Any]:
-    """The config as the composed tree it came from (typed's inverse), with what the run filled in
-    since (trainer.threads, sched.total_steps)."""
-    tree: dict[str, Any] = {}
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if f.name in CHOSEN_BY:
-            extra = {"batch_size": value.batch_size} if f.name == "data" else {}
-            value = {CHOSEN_BY[f.name]: value.name, **extra, **value.args}
-        elif f.name == "optim":
-            value = {k: v for k, v in asdict(value).items() if k != "args"} | value.args
-        elif is_dataclass(value) and not isinstance(value, type):
-            value = asdict(value)
-        if f.name == "precision":
-            value["schedule"] = [given(phase) for phase in config.precision.schedule]
-        tree[f.name] = value
-    return tree
+def checked(cfg: DictConfig, validated: bool = False) -> schema.Config:
+    """`cfg` validated (`validated`: validate(cfg) has run, as train.py runs it before importing
+    torch), its optimizer's arguments checked, and typed."""
+    if not validated:
+        validate(cfg)
+    validate_optimizer(cfg)
+    return typed(cfg)
 
 
-def given(phase: schema.Phase) -> dict[str, Any]:
-    """A schedule phase as a config writes it: the keys away from their defaults (a phase names one
-    start and what it changes; gemms defaults to all three)."""
-    default = schema.Phase(format=phase.format)
-    return {k: v for k, v in asdict(phase).items() if k == "format" or v != getattr(default, k)}
+def compose(overrides: Sequence[str] = (), conf: Path = CONF) -> schema.Config:
+    """`python train.py <overrides>`'s config, validated and typed: a benchmark's or a notebook's."""
+    from hydra import compose as compose_tree
+    from hydra import initialize_config_dir
 
-
-SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
-URL_PASSWORD = re.compile(r"(://[^/@\s:]*:)[^/@\s]+@")  # scheme://user:password@host (an MLflow store's URI)
-
-
-def redact(tree: Any) -> Any:
-    """The config as saved to W&B and checkpoints: values under secret-looking keys, and any value
-    equal to $WANDB_API_KEY (e.g. interpolated by ${oc.env:...}), become '***'; so does the password
-    of a URL (logger.mlflow.tracking_uri from $MLFLOW_TRACKING_URI)."""
-    key = os.environ.get("WANDB_API_KEY")
-    if isinstance(tree, dict):
-        return {k: "***" if SECRET_KEY.search(str(k)) else redact(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [redact(v) for v in tree]
-    if not isinstance(tree, str):
-        return tree
-    return "***" if key and key in tree else URL_PASSWORD.sub(r"\1***@", tree)
-
-
-def saved(config: schema.Config) -> dict:
-    """The resolved config as it is written to W&B, to other loggers and into checkpoints: redacted."""
-    return redact(as_tree(config))
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        return checked(compose_tree("train", overrides=list(overrides)))

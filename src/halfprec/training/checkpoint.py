@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,8 @@ import numpy as np
 import torch
 
 from halfprec.components.data.batches import TrainBatches
-from halfprec.config import Config, saved
+from halfprec.config import Config, changes, saved
 from halfprec.errors import ConfigError, naming, show_value
-from halfprec.numerics.quantized import Recipe
-from halfprec.spec import flat_keys
 from halfprec.training import distributed
 from halfprec.training.build import Components
 from halfprec.training.metrics import LoopState
@@ -41,36 +39,6 @@ RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "traine
                      "trainer.threads", "data.num_workers", "scaler.max_consecutive_skips",
                      "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps",
                      "precision.quantizer", "diagnostics.shadow")  # fmt: skip
-# Keys added after checkpoints were first written, with the value every older version behaved as:
-# a checkpoint whose config lacks the key resumes when the run asks for that value (a key only some
-# options have, as the GPT's model.pos, is implied only where the run has it).
-IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
-    "task.name": "classification",
-    # from before the number formats: no layer quantized
-    "precision.format": None,
-    # each recipe switch off, as its dataclass's default says
-    **{f"precision.recipe.{f.name}": f.default for f in fields(Recipe)},
-    "precision.rules": [],
-    "precision.schedule": [],
-    "precision.high_first": 0,
-    "precision.high_last": 0,
-    "precision.master": None,
-    "precision.kernel": "emulated",
-    "precision.quantizer": "eager",  # from before compiled quantizers
-    "optim.no_decay": [],  # from before param groups: every tensor decayed
-    "optim.state_dtype": "float32",
-    "optim.state_rounding": "nearest",
-    "model.pos": "learned",  # from before model=llama: the GPT's learned positions, tied head
-    "model.rope_base": 10000.0,
-    "model.tie_embeddings": True,
-    "model.norm_eps": None,  # from before GPT-2's biases and LLaMA's eps: torch's eps, no biases
-    "model.bias": False,
-    "data.dtype": "uint16",  # from before uint32 token files
-    "diagnostics.shadow": [],  # from before what-if statistics
-}
-# Keys whose change does nothing while another key is 0 on both sides: which tensors get no weight
-# decay, when nothing decays (then there is one param group either way).
-MOOT_WHILE_ZERO = {"optim.no_decay": "optim.weight_decay"}
 # What a run is. A checkpoint that differs in any of them is another run's: said first, all at once,
 # rather than the first detail that differs (data.batch_size of a language model's checkpoint).
 IDENTITY = ("task.name", "model.arch", "data.name", "precision.name", "optim._target_")
@@ -172,69 +140,21 @@ def find_resume_checkpoint(resume: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
-def schedule_horizon(config: dict) -> int:
-    """The steps a saved config's lr schedule runs over (checkpoints from before sched.total_steps:
-    trainer.max_steps)."""
-    return config["sched"].get("total_steps") or config["trainer"]["max_steps"]
-
-
-# Keys spelled otherwise by older checkpoints: precision.fp8 (torchao's float8 recipe) became a
-# format on precision.kernel=native.
-OLDER_FP8: dict[str, dict[str, Any]] = {
-    "tensorwise": {"precision.format": "fp8_e4m3", "precision.recipe.grad_format": "fp8_e5m2"},
-    "rowwise": {"precision.format": "fp8_e4m3_row", "precision.recipe.grad_format": None},
-}
-
-
-def respelled(old: dict[str, Any]) -> dict[str, Any]:
-    """An older checkpoint's flattened config in today's keys."""
-    fp8 = old.pop("precision.fp8", None)
-    if fp8 not in OLDER_FP8:
-        return old
-    if fp8 == "rowwise" and old.get("precision.name") == "fp8":  # precision=fp8 precision.fp8=rowwise
-        old["precision.name"] = "fp8_row"  # is precision=fp8_row now
-    return {**old, **OLDER_FP8[fp8], "precision.kernel": "native"}
-
-
-def with_implied_keys(saved: dict) -> dict:
-    """A checkpoint's config in today's keys, each key added since it was saved set to the value its
-    run behaved as (IMPLIED_BY_OLDER_CHECKPOINTS; a model's or a dataset's own keys are left to the
-    factory, since only some take them): what a tool rebuilding its run reads."""
-    implied = {k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if not k.startswith(("model.", "data."))}
-    tree: dict[str, Any] = {}
-    for key, value in {**implied, **respelled(flat_keys(saved))}.items():
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
-def check_resume_config(saved: dict, current: dict, path: Path) -> list[str]:
+def check_resume_config(old: Config, new: Config, path: Path) -> list[str]:
     """Raise on a config change that breaks continuation; return notes on the harmless ones."""
-    new = flat_keys(current)
-    old = {**{k: v for k, v in IMPLIED_BY_OLDER_CHECKPOINTS.items() if k in new}, **respelled(flat_keys(saved))}
-    if "sched.total_steps" in new and "sched.total_steps" not in old:
-        old["sched.total_steps"] = schedule_horizon(saved)
-    other = [key for key in IDENTITY if old.get(key) != new.get(key)]
+    changed = changes(old, new)
+    other = [key for key in IDENTITY if key in changed]
     if other:
-        was = ", ".join(f"{key}={show_value(old.get(key))}" for key in other)
-        now = ", ".join(f"{key}={show_value(new.get(key))}" for key in other)
+        was = ", ".join(f"{key}={show_value(changed[key][0])}" for key in other)
+        now = ", ".join(f"{key}={show_value(changed[key][1])}" for key in other)
         fix = f"a checkpoint of another run: trained with {was}, where this run has {now}"
         raise ConfigError("resume", str(path), f"{fix}; resume with the overrides it was started with")
     notes = []
-    for key in sorted(old.keys() | new.keys()):
-        zero = MOOT_WHILE_ZERO.get(key)
-        if old.get(key) == new.get(key) or (zero and not old.get(zero) and not new.get(zero)):
-            continue
-        change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+    for key, (before, after) in changed.items():
         if not any(key == k or key.startswith(k + ".") for k in RESUMABLE_CHANGES):
-            raise ConfigError(
-                key, new.get(key), f"{path} was trained with {key}={old.get(key)!r}; resume with the same value"
-            )
+            raise ConfigError(key, after, f"{path} was trained with {key}={before!r}; resume with the same value")
         if key != "resume":
-            notes.append(f"{change} (allowed)")
+            notes.append(f"{key}: {before!r} -> {after!r} (allowed)")
     return notes
 
 

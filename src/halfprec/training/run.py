@@ -11,9 +11,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from halfprec.config import Config, config_warnings, resolve_device, saved, validate, validate_optimizer
+from halfprec.config import Config, checked, config_warnings, from_saved, resolve_device
 from halfprec.config.schema import CosineSchedule
-from halfprec.config.typed import typed
 from halfprec.errors import ConfigError, Interrupted, Preempted, naming
 from halfprec.machine import launcher, torch_threads
 from halfprec.numerics.layers import layer_table
@@ -29,7 +28,6 @@ from halfprec.training.checkpoint import (
     load_checkpoint,
     logger_states,
     restore,
-    schedule_horizon,
 )
 from halfprec.training.distributed import World
 from halfprec.training.loop import train_loop
@@ -40,13 +38,12 @@ from halfprec.training.signals import resume_command
 from halfprec.training.tracking import Tracker, build_tracker
 
 
-def run(cfg: DictConfig, run_dir: str | Path, validated: bool = False) -> dict:
-    """Train as `cfg` says, writing metrics and checkpoints under `run_dir`. Returns the final metrics.
-    `validated`: the caller has run halfprec.config.validate(cfg) (train.py does, before importing torch)."""
-    if not validated:
-        validate(cfg)  # a bad value fails before any process group, checkpoint, data or model
-    validate_optimizer(cfg)
-    config = typed(cfg)  # from here on, the typed config alone
+def run(cfg: DictConfig | Config, run_dir: str | Path, validated: bool = False) -> dict:
+    """Train as `cfg` says (a Config: halfprec.config.compose's), writing metrics and checkpoints under
+    `run_dir`. Returns the final metrics. `validated`: the caller has run halfprec.config.validate(cfg)
+    (train.py does, before importing torch)."""
+    # a bad value fails before any process group, checkpoint, data or model
+    config = cfg if isinstance(cfg, Config) else checked(cfg, validated)
     set_threads(config)
     world = distributed.init(config.trainer.distributed, resolve_device(config.trainer.device, config.precision).type)
     try:
@@ -71,17 +68,18 @@ def resume_checkpoint(cfg: Config, run_dir: Path, world: World) -> tuple[Path | 
     the schedule's horizon set from it (or, fresh, from this config)."""
     path = find_resume_checkpoint(cfg.resume, run_dir / "checkpoints") if cfg.resume is not None else None
     ckpt = load_checkpoint(path) if path is not None else None
-    set_horizon(cfg, ckpt)
-    if path is None or ckpt is None:  # both None together; the two tests are for the type checker
+    old = from_saved(ckpt["config"]) if ckpt is not None else None
+    set_horizon(cfg, old)
+    if path is None or ckpt is None or old is None:  # all None together; the tests are for the type checker
         return None, None
-    said = check_resume_config(ckpt["config"], saved(cfg), path)  # another run's checkpoint: said before max_steps
+    said = check_resume_config(old, cfg, path)  # another run's checkpoint: said before max_steps
     if int(ckpt["step"]) > cfg.trainer.max_steps:
         raise ConfigError(
             "trainer.max_steps", cfg.trainer.max_steps, f"{path} is at step {ckpt['step']} already: set "
             f"trainer.max_steps above {ckpt['step']} to train on from it (the run it resumes had "
-            f"{ckpt['config']['trainer']['max_steps']})",
+            f"{old.trainer.max_steps})",
         )  # fmt: skip
-    notes = [*said, lr_note(cfg, ckpt)]
+    notes = [*said, lr_note(cfg, old, ckpt["scheduler"]["last_epoch"])]
     for note in filter(None, notes):
         print(f"resume: {note}", file=sys.stderr)
     if world.is_main and ckpt.get("world_size", 1) != world.size:
@@ -93,21 +91,28 @@ def resume_checkpoint(cfg: Config, run_dir: Path, world: World) -> tuple[Path | 
     return path, ckpt
 
 
-def set_horizon(cfg: Config, ckpt: dict | None) -> None:
+def horizon(cfg: Config) -> int:
+    """The steps the config's lr schedule runs over."""
+    total = cfg.sched.total_steps if isinstance(cfg.sched, CosineSchedule) else None
+    return total or cfg.trainer.max_steps
+
+
+def set_horizon(cfg: Config, old: Config | None) -> None:
     """sched.total_steps: null becomes the steps the cosine runs over: trainer.max_steps, or on
     resume the horizon the run started with, so that a longer trainer.max_steps does not restart
     the decay. Written into the config, so W&B and checkpoints record it."""
     if not isinstance(cfg.sched, CosineSchedule) or cfg.sched.total_steps is not None:
         return
-    cfg.sched.total_steps = schedule_horizon(ckpt["config"]) if ckpt else cfg.trainer.max_steps
+    cfg.sched.total_steps = horizon(old) if old else cfg.trainer.max_steps
 
 
-def lr_note(cfg: Config, ckpt: dict) -> str | None:
-    """What the lr does from the checkpoint on, when the horizon changed or the run outgrows it."""
+def lr_note(cfg: Config, old: Config, step: int) -> str | None:
+    """What the lr does from the checkpoint on (`step`: the scheduler steps taken, skips aside), when
+    the horizon changed or the run outgrows it."""
     if cfg.sched.name != "cosine":
         return None
     name, warmup, total, low = schedule_args(cfg)
-    before, step = schedule_horizon(ckpt["config"]), ckpt["scheduler"]["last_epoch"]  # steps taken (skips aside)
+    before = horizon(old)
     lr = cfg.optim.lr
     last = lr * lr_factor(step - 1, name, warmup, before, low)
     if total != before:

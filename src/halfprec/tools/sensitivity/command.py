@@ -103,8 +103,8 @@ def sensitivity(args: argparse.Namespace) -> int:
     """The command: measure, print the table and the suggested rules, write the files."""
     check_arguments(args)
     run = load_run(args.path, args.device)
-    formats = parse_formats(args.formats or default_formats(run.precision.format))
-    recipe = parse_recipe(args.recipe, run.precision.recipe)
+    formats = parse_formats(args.formats or default_formats(run.config.precision.format))
+    recipe = parse_recipe(args.recipe, run.config.precision.recipe)
     out = args.out or (args.path if args.path.is_dir() else args.path.parent)
     writable(out, "--out")
     layers, _ = candidates(run, formats)  # a model with nothing to measure says so before any pass
@@ -112,18 +112,18 @@ def sensitivity(args: argparse.Namespace) -> int:
     print(f"measuring {run.checkpoint} (step {run.step}): {len(layers)} Linear layer(s) x {len(formats)} format(s) "
           f"on up to {args.batches} validation batch(es): {total} forward-backward passes",
           file=sys.stderr)  # fmt: skip
-    slow = slow_on_cpu(run.precision) if run.device.type == "cpu" else None
+    slow = slow_on_cpu(run.config.precision) if run.device.type == "cpu" else None
     if slow:  # as train.py warns at its start
         print(f"warning: the measurement computes as the run did: {slow}", file=sys.stderr)
     progress = Passes(total)
     try:
-        measured = measure(run, formats, args.batches, recipe, run.saved["seed"] if args.seed is None else args.seed,
+        measured = measure(run, formats, args.batches, recipe, run.config.seed if args.seed is None else args.seed,
                            progress.advance)  # fmt: skip
     finally:
         progress.close()
     fmt = formats[0]
     said = suggestion(fmt, args, measured, ranked(measured, fmt))
-    summary = Summary.of(str(args.path), run.step, run.precision.name, asdict(recipe), measured, formats)
+    summary = Summary.of(str(args.path), run.step, run.config.precision.name, asdict(recipe), measured, formats)
     print("\n".join([*describe(summary), "", *damage_table(summary), "", *said]))
     paths = write(summary, Path(out), ["## Suggested rules", "", *said])
     print(f"wrote {', '.join(str(p) for p in paths)}")

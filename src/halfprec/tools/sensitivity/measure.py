@@ -35,16 +35,14 @@ from torch import nn
 from halfprec.components.data import Dataset, build_dataset
 from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
-from halfprec.config import resolve_device
-from halfprec.config.schema import Precision
-from halfprec.config.typed import choice_of, precision_of
+from halfprec.config import Config, from_saved, resolve_device
 from halfprec.errors import ConfigError
 from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.layers import HIGH, linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
-from halfprec.training.checkpoint import checkpoint_files, load_checkpoint, with_implied_keys
+from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once
 # Standard errors a damage must exceed to count: about 95% one-sided for the batch means' normal
@@ -60,8 +58,7 @@ class SensitivityError(Exception):
 class Run:
     """A trained model as its run computed it, and what scores it."""
 
-    saved: dict  # the config its checkpoint saved, the keys added since filled in
-    precision: Precision
+    config: Config  # its checkpoint's, the keys added since as its version behaved
     checkpoint: Path
     step: int
     model: nn.Module
@@ -107,22 +104,21 @@ def load_run(path: Path, device: str | None = None) -> Run:
         ckpt = load_checkpoint(ckpt_path)
     except ConfigError as err:  # its advice is resume's: keep what it says of the file
         raise SensitivityError(f"{ckpt_path}: {err.fix.split(';')[0]}") from None
-    saved = with_implied_keys(ckpt["config"])  # a run from before a key: the value it behaved as
-    precision = precision_of(saved["precision"])
+    config = from_saved(ckpt["config"])
     try:
-        target = resolve_device(device or saved["trainer"]["device"], precision)  # it must work here
-        data = build_dataset(choice_of("data", saved["data"]))  # its data must be where the run read it
-        model = create_model(choice_of("model", saved["model"]), data.input_shape, data.num_classes)
+        target = resolve_device(device or config.trainer.device, config.precision)  # it must work here
+        data = build_dataset(config.data)  # its data must be where the run read it
+        model = create_model(config.model, data.input_shape, data.num_classes)
     except ConfigError as err:
         raise SensitivityError(f"{ckpt_path}: {err}") from None
-    policy = PrecisionPolicy.from_config(precision, target.type)
+    policy = PrecisionPolicy.from_config(config.precision, target.type)
     policy.prepare_model(model)
     # QuantizedLinear keeps its count of backward passes as extra state: not a weight
     weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
     model.load_state_dict(weights)
     model.to(target).eval()
-    task = build_task(choice_of("task", saved["task"]))
-    return Run(saved, precision, ckpt_path, int(ckpt["step"]), model, data, task, policy, target)
+    task = build_task(config.task)
+    return Run(config, ckpt_path, int(ckpt["step"]), model, data, task, policy, target)
 
 
 def parse_recipe(text: str, run_recipe: Recipe) -> Recipe:
@@ -328,7 +324,7 @@ def candidates(run: Run, formats: list[str]) -> tuple[list[str], dict[str, dict[
 
 def validation_batches(run: Run, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `count` validation batches (none for a count below 1: measure() then says so)."""
-    size = run.task.val_batch_size(int(run.saved["data"]["batch_size"]))
+    size = run.task.val_batch_size(run.config.data.batch_size)
     return itertools.islice(run.data.val_batches(size, run.device), max(count, 0))
 
 
