@@ -48,9 +48,10 @@ def run(cfg: DictConfig, run_dir: str | Path, validated: bool = False) -> dict:
     validate_optimizer(cfg)
     config = typed(cfg)  # from here on, the typed config alone
     set_threads(config)
-    world = distributed.init(config.trainer.distributed, resolve_device(config.trainer.device, config.precision).type)
+    device = resolve_device(config.trainer.device, config.precision)
+    world = distributed.init(config.trainer.distributed, device.type)
     try:
-        summary = _run(config, distributed.shared_run_dir(world, Path(run_dir)), world)
+        summary = _run(config, distributed.shared_run_dir(world, Path(run_dir)), world, device)
     except BaseException:
         distributed.finish(world, completed=False)
         raise
@@ -146,9 +147,9 @@ def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, 
               "add resume=auto to continue from its checkpoint", file=sys.stderr)  # fmt: skip
 
 
-def _run(cfg: Config, run_dir: Path, world: World) -> dict:
+def _run(cfg: Config, run_dir: Path, world: World, device: torch.device) -> dict:
     path, ckpt = resume_checkpoint(cfg, run_dir, world)
-    c = build(cfg, world)
+    c = build(cfg, world, device)
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
