@@ -41,9 +41,10 @@ from halfprec.config.typed import choice_of, precision_of
 from halfprec.errors import ConfigError
 from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.layers import HIGH, linear_layers, plan_layers
+from halfprec.numerics.layers import linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
+from halfprec.numerics.settings import HIGH
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint, with_implied_keys
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once
