@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from halfprec.numerics.converters.emulated import quantizer_for
 from halfprec.numerics.formats import FORMATS, compiled_quantizer, quantize
-from halfprec.numerics.policy import quantizer_for
 from halfprec.numerics.quantized import QuantizedLinear, Recipe
 from halfprec.training.build import build
 

@@ -5,6 +5,8 @@ the recipe switches, the rules, and the CLI as a user runs it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -19,12 +21,13 @@ from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.layers import HIGH, Rule, plan_layers, shadowed_rules
+from halfprec.numerics.layers import Rule, plan_layers, shadowed_rules
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, keep_eager
+from halfprec.numerics.settings import HIGH
 from halfprec.training.build import build
 from halfprec.training.run import run
 
-from helpers import compose_cfg
+from helpers import CONF, compose_cfg
 
 GPT = ["task=lm", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.batch_size=4"]
 
@@ -320,14 +323,6 @@ def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
     "overrides, message",
     [
         (["precision.format=mxfp3"], "precision.format=mxfp3: no such number format; they are fp8_e4m3,"),
-        (
-            ["precision=mxfp4", "precision.recipe.weight_2d=true"],
-            r"weight_2d=true: is for formats with square blocks .* no layer computes in one \(mxfp4\)",
-        ),
-        (
-            ["precision=nvfp4", "precision.recipe.scale_rule=rceil"],
-            r"scale_rule=rceil: is for formats with E8M0 scales .* \(nvfp4\): set precision.recipe.scale_rule=floor",
-        ),
         (["precision=mxfp4", "precision.recipe=nvfp4"], "precision.recipe=nvfp4: a mapping of grad_format,"),
         (["precision=fp8", "precision.format=mxfp8"], "torchao has no training kernel for format=mxfp8"),
         (["precision=bf16", "precision.high_last=1"], "precision.high_last=1: keeps blocks high while the others"),
@@ -353,21 +348,57 @@ def test_the_swap_keeps_tied_weights_tied_and_the_output_head_of_an_mlp_high():
             ["precision=mxfp4", "precision.schedule=[{from_step: 5, gemms: [fwd], format: high}]"],
             r"precision.schedule\[0\].gemms=\['fwd'\]: must be a non-empty list of forward, dgrad or wgrad",
         ),
-        (
-            [
-                "precision=mxfp4",
-                "precision.recipe.scale_rule=rceil",
-                "precision.recipe.forward=nvfp4",
-                "precision.recipe.dgrad=nvfp4",
-                "precision.recipe.wgrad=high",
-            ],
-            r"scale_rule=rceil: is for formats with E8M0 scales",
-        ),
     ],
 )
 def test_format_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_cfg(*GPT, *overrides))
+
+
+def test_a_precision_error_answers_before_torch_is_imported():
+    """config/rules.py's checks spell `high` with numerics/settings.py, which imports no torch."""
+    code = (
+        "import sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from halfprec.config import validate\n"
+        "from halfprec.errors import ConfigError\n"
+        f"with initialize_config_dir({str(CONF)!r}, version_base='1.3'):\n"
+        "    cfg = compose('train', overrides=['logger=none', 'precision=bf16', 'precision.high_last=1'])\n"
+        "try:\n"
+        "    validate(cfg)\n"
+        "except ConfigError as err:\n"
+        "    print(err, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("precision.high_last=1: keeps blocks high") and out.split()[-1] == "False", out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["precision=mxfp4", "precision.recipe.weight_2d=true"],
+            r"weight_2d=true: is for formats with square blocks .* no layer computes in one \(mxfp4\)",
+        ),
+        (
+            ["precision=nvfp4", "precision.recipe.scale_rule=rceil"],
+            r"scale_rule=rceil: is for formats with E8M0 scales .* \(nvfp4\): set precision.recipe.scale_rule=floor",
+        ),
+        (
+            ["precision=mxfp4", "precision.recipe.scale_rule=rceil"]
+            + [f"precision.recipe.{g}={f}" for g, f in (("forward", "nvfp4"), ("dgrad", "nvfp4"), ("wgrad", "high"))],
+            r"scale_rule=rceil: is for formats with E8M0 scales",
+        ),
+        (["precision=fp8", "precision.fp8_emulate=true", "precision.recipe.scale_rule=rceil"], r"\(fp8_e4m3\)"),
+    ],
+)
+def test_a_recipe_switch_no_planned_layer_can_use_names_the_key(overrides, message):
+    """Which formats a switch reaches is a fact of the plan (rules, high blocks and the kernel's
+    layers decide it), checked once, as the layers are planned."""
+    config = compose_cfg(*GPT, *overrides)
+    validate(config)
+    with pytest.raises(ConfigError, match=message):
+        build(config)
 
 
 @pytest.mark.parametrize(

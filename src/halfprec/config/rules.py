@@ -4,13 +4,18 @@ machine must offer (a GPU, torchao, a launcher). Each raises one ConfigError lin
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from halfprec.config.schema import Config, Phase, Precision
+from halfprec.config.typed import precision_of
 from halfprec.errors import ConfigError
 from halfprec.machine import cpu_flags, launcher, native_bf16
+from halfprec.numerics.settings import HIGH
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_precision(p: DictConfig, distributed: str) -> None:
@@ -60,7 +65,7 @@ def master_kind(p: DictConfig) -> str:
 
 def quantizes(p: DictConfig) -> bool:
     """Whether any layer is quantized: a format, or a rule naming one."""
-    return bool(p.format or any(r.format != "high" for r in p.rules) or any(s.format != "high" for s in p.schedule))
+    return bool(p.format or any(r.format != HIGH for r in p.rules) or any(s.format != HIGH for s in p.schedule))
 
 
 def check_layer_formats(p: DictConfig) -> None:
@@ -75,8 +80,8 @@ def check_layer_formats(p: DictConfig) -> None:
 
 
 def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
-    """The format names against the registry (`formats`: numerics/formats' FORMATS), then what the
-    converter precision.kernel names says of the formats and the recipe (numerics/converters)."""
+    """The format names against the registry (`formats`: numerics/formats' FORMATS), the one check of
+    them; then what the converter precision.kernel names says of precision.*, typed (numerics/converters)."""
     from halfprec.numerics.converters import CONVERTERS
     from halfprec.numerics.quantized import Recipe
 
@@ -89,9 +94,9 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
         )
 
     gemms = ("forward", "dgrad", "wgrad")
-    if quantizes(p) and all(p.recipe[g] == "high" for g in gemms) and all(s.format == "high" for s in p.schedule):
+    if quantizes(p) and all(p.recipe[g] == HIGH for g in gemms) and all(s.format == HIGH for s in p.schedule):
         raise ConfigError(
-            "precision.recipe.forward/dgrad/wgrad", "high", "keeps all three GEMMs of every layer high, so nothing "
+            "precision.recipe.forward/dgrad/wgrad", HIGH, "keeps all three GEMMs of every layer high, so nothing "
             "is quantized: set one of them to null (the layer's format), or use precision=bf16 for no quantized layer",
         )  # fmt: skip
     names = ", ".join(formats)
@@ -101,16 +106,17 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
             raise ConfigError(f"precision.{key}", value, f"no such number format; they are {names}")
     for gemm in ("forward", "dgrad", "wgrad"):
         value = p.recipe[gemm]
-        if value is not None and value not in ("high", *formats):
+        if value is not None and value not in (HIGH, *formats):
             raise ConfigError(f"precision.recipe.{gemm}", value, f"null (the layer's format), high, or a format "
                               f"({names})")  # fmt: skip
     for i, rule in enumerate(p.rules):
-        if rule.format not in ("high", *formats):
+        if rule.format not in (HIGH, *formats):
             raise ConfigError(f"precision.rules[{i}].format", rule.format, f"a format ({names}) or high")
     for i, phase in enumerate(p.schedule):
-        if phase.format not in ("high", *formats):
+        if phase.format not in (HIGH, *formats):
             raise ConfigError(f"precision.schedule[{i}].format", phase.format, f"a format ({names}) or high")
-    CONVERTERS[p.kernel].check_config(p)
+    precision = precision_of(cast(dict, OmegaConf.to_container(p, resolve=True)))  # a mapping: check_node
+    CONVERTERS[precision.kernel].check_config(precision)
 
 
 def check_scaler(s: DictConfig) -> None:
@@ -301,7 +307,7 @@ def check_launch(mode: str) -> None:
         )
 
 
-def resolve_device(want: str, p: Precision):
+def resolve_device(want: str, p: Precision) -> torch.device:
     """The torch.device to train on (`want`: trainer.device), after checking that the precision mode
     works there."""
     import torch

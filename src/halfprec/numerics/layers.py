@@ -1,6 +1,6 @@
-"""Which Linear layers compute in which number format (precision.format, precision.rules,
-precision.high_first / high_last), and the converters that swap them for quantized layers
-(docs/design.md, "Number formats").
+"""The plan: which Linear layers compute in which number format (precision.format, precision.rules,
+precision.high_first / high_last; docs/design.md, "Number formats"), and which of its formats each
+recipe switch reaches.
 
 The plan names a format, or `high`, for every Linear layer: the first rule whose glob matches the
 layer's name; else `high` for the first/last N blocks and the output head; else precision.format.
@@ -11,7 +11,6 @@ layer) unless a rule names it. A converter (numerics/converters) swaps the plann
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -20,7 +19,10 @@ from torch import nn
 
 from halfprec.errors import ConfigError
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.quantized import HIGH, Recipe
+from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.settings import HIGH, PrecisionSettings, RuleSettings
+
+Fits = Callable[[nn.Module], bool]  # whether the converter can take a Linear layer at all
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,19 @@ def output_heads(model: nn.Module, linears: list[str]) -> set[str]:
     return set(named) if named is not None else set(linears[-1:])
 
 
-def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int = 0,
-                high_last: int = 0, fits: Callable[[nn.Module], bool] | None = None) -> dict[str, str]:  # fmt: skip
+def plan_precision(model: nn.Module, p: PrecisionSettings, fits: Fits, unfit: str) -> tuple[dict[str, str], list[str]]:
+    """precision.*'s plan for `model` (`fits`, `unfit`: the converter's, as plan_layers and
+    nothing_to_quantize take them) and the warnings of rules that change nothing; a ConfigError for
+    a plan that quantizes no layer and has no schedule to."""
+    plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, fits)
+    warnings = shadowed_rules(model, p.rules)
+    if all(f == HIGH for f in plan.values()) and not p.schedule:
+        raise nothing_to_quantize(model, p.format, p.rules, p.high_first, p.high_last, fits, unfit, p.name)
+    return plan, warnings
+
+
+def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings], high_first: int = 0,
+                high_last: int = 0, fits: Fits | None = None) -> dict[str, str]:  # fmt: skip
     """Each Linear layer's format or `high` (the module docstring's order); `fits`: whether the
     converter can take a layer at all (float8: sides that are multiples of 16), else high."""
     linears = linear_layers(model)
@@ -78,7 +91,7 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_f
     return plan
 
 
-def shadowed_rules(model: nn.Module, rules: Sequence[Rule]) -> list[str]:
+def shadowed_rules(model: nn.Module, rules: Sequence[RuleSettings]) -> list[str]:
     """Rules that never apply because earlier ones take every layer they match (the first matching
     rule wins): a ConfigError when the rule's format differs (what it asks for would not happen),
     else a warning line (it repeats an earlier rule: a no-op)."""
@@ -104,14 +117,14 @@ def shadowed_rules(model: nn.Module, rules: Sequence[Rule]) -> list[str]:
     return lines
 
 
-def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule], high_first: int, high_last: int,
-                        fits: Callable[[nn.Module], bool] | None, unfit: str, name: str) -> ConfigError:  # fmt: skip
+def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings], high_first: int,
+                        high_last: int, fits: Fits | None, unfit: str, name: str) -> ConfigError:  # fmt: skip
     """Why a plan keeps every Linear layer high, as one line naming the setting that does it: the high
     blocks, a rule sending the rest high, layers the converter cannot take (`fits`, which asks
     `unfit`: float8's multiples of 16), or a model whose only Linear layer is its output head. Each
     cause is found by planning again without it."""
 
-    def quantizes(rules: Sequence[Rule], first: int, last: int, fits: Callable[[nn.Module], bool] | None) -> bool:
+    def quantizes(rules: Sequence[RuleSettings], first: int, last: int, fits: Fits | None) -> bool:
         return any(f != HIGH for f in plan_layers(model, fmt, rules, first, last, fits).values())
 
     blocks = len(block_names(model))
@@ -138,12 +151,6 @@ def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[Rule]
         "precision", name, f"{type(model).__name__} has no Linear layer to quantize but its output head, which stays "
         "high unless a precision.rules entry names it: name it in a rule, or use precision=bf16",
     )  # fmt: skip
-
-
-def layer_seed(seed: int, name: str, rank: int) -> int:
-    """A layer's stochastic-rounding seed: the run's seed, the layer's name (crc32: the same in every
-    process, where str hashes are not) and the rank (ranks round their own gradients independently)."""
-    return (seed << 40) ^ (rank << 32) ^ zlib.crc32(name.encode())
 
 
 # The recipe switches only some formats can use (the others apply to every quantized layer): for

@@ -6,16 +6,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
 from halfprec.errors import PrecisionMismatch
 from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
-from halfprec.numerics.layers import HIGH, nothing_to_quantize, plan_layers, shadowed_rules
+from halfprec.numerics.layers import plan_precision, recipe_reach
 from halfprec.numerics.quantized import gemm_label
 from halfprec.numerics.schedule import PrecisionSchedule, build_schedule
+from halfprec.numerics.settings import HIGH, PrecisionSettings
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -23,37 +23,29 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # apex O2 and fairseq keep them in fp32; so do we (`precision.keep_norm_fp32`).
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 COMPUTE_TYPES = (nn.Linear, nn.modules.conv._ConvNd)
-# On a CPU a compiled quantizer runs 3-4x faster than the eager one (2048x512, one thread: MXFP8
-# 0.8 vs 3.0 ms), which saved 70 ms (mxfp8) and 100 ms (nvfp4) of the default GPT's ~0.2-0.3 s step,
-# but compiling its 18 (format, axis, shape) graphs took 48 s with inductor's on-disk cache cold
-# (5 s warm): precision.quantizer=auto compiles on a CPU from this many steps (a cold compile is then
-# below what it saves: 48 s against 70-100 s).
-COMPILE_PAYS_FROM = 1000
 
 
 @dataclass
 class PrecisionPolicy:
-    """precision.* as a run computes with it: `config`, config/schema.py's typed Precision, as
-    given, and what it resolves to on this device (from_config): the torch dtypes, whether fp32
-    master weights exist, the update rule, the quantizer; then the plan of layers once swapped."""
+    """precision.* as a run computes with it: `config`, as given, and what it resolves to on this
+    device (from_config): the torch dtypes, whether fp32 master weights exist, the update rule; then
+    the plan of layers once swapped."""
 
-    config: Any  # schema.Precision (numerics does not import config): name, format, recipe, rules, ...
+    config: PrecisionSettings
     autocast_dtype: torch.dtype | None  # None: no autocast
     param_dtype: torch.dtype
     master_weights: bool  # fp32 copies for the optimizer (pure modes only)
     update: str  # a rule of numerics/rounding.py: how an update is rounded into low-precision weights
     device_type: str
     reduce_dtype: torch.dtype  # trainer=fsdp: dtype gradients are reduce-scattered in
-    quantizer: str  # emulated layers' quantizers: eager | compiled (precision.quantizer, resolved)
     steps: int | None = None  # trainer.max_steps: where a schedule's fractions fall (None: a tool's few steps)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its formats (gemm_label) or high
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
     schedule: PrecisionSchedule | None = None  # precision.schedule's phases over the swapped layers
 
     @classmethod
-    def from_config(cls, p: Any, device_type: str, steps: int | None = None) -> PrecisionPolicy:
-        """The policy of `p`, the typed Precision (precision.*), on `device_type`, its quantizer as
-        chosen for a run of `steps` (precision.quantizer=auto: quantizer_for)."""
+    def from_config(cls, p: PrecisionSettings, device_type: str, steps: int | None = None) -> PrecisionPolicy:
+        """The policy of precision.* on `device_type`, for a run of `steps`."""
         return cls(
             config=p,
             autocast_dtype=DTYPES[p.autocast] if p.autocast else None,
@@ -64,7 +56,6 @@ class PrecisionPolicy:
             update="remainder" if p.master == "remainder" else p.update,
             device_type=device_type,
             reduce_dtype=DTYPES[p.reduce_dtype],
-            quantizer=quantizer_for(p.quantizer, device_type, steps),
             steps=steps,
         )
 
@@ -124,16 +115,13 @@ class PrecisionPolicy:
         if not (p.format or any(r.format != HIGH for r in p.rules) or p.schedule):
             return {}
         converter = CONVERTERS[p.kernel]
-        plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, converter.fits)
-        shadowed = shadowed_rules(model, p.rules)  # a rule an earlier one takes every layer of
-        if all(f == HIGH for f in plan.values()) and not p.schedule:
-            first, last, unfit = p.high_first, p.high_last, converter.unfit
-            raise nothing_to_quantize(model, p.format, p.rules, first, last, converter.fits, unfit, p.name)
-        how = Conversion(p.recipe, seed, rank, self.device_type, self.quantizer, p.fp8_emulate)
+        plan, warnings = plan_precision(model, p, converter.fits, converter.unfit)
         converted = plan
         if p.schedule:
             converted, self.schedule = build_schedule(plan, p.schedule, p.recipe, self.steps or 0)
-        self.notes = [*shadowed, *converter.convert(model, converted, how)]
+        reach = recipe_reach(list(dict.fromkeys(f for f in converted.values() if f != HIGH)), p.recipe)
+        how = Conversion(p, seed, rank, self.device_type, self.steps)
+        self.notes = [*warnings, *reach, *converter.convert(model, converted, how)]
         self.layers = {name: HIGH if f == HIGH else gemm_label(p.recipe.gemms(f)) for name, f in plan.items()}
         if self.schedule is not None:
             self.enter_phase(model, 0)
@@ -186,16 +174,6 @@ class PrecisionPolicy:
             key = f"precision/layers/{planned}"
             counts[key] = int(counts.get(key, 0)) + 1
         return counts
-
-
-def quantizer_for(choice: str, device_type: str, steps: int | None = None) -> str:
-    """precision.quantizer: auto compiles on a GPU, where the eager quantizer's ~85 ops each launch a
-    kernel, and on a CPU for a run of COMPILE_PAYS_FROM `steps` or more, long enough to win back the
-    compile; a shorter one (or `steps` None: a tool's few steps) stays eager."""
-    if choice == "auto":
-        long_run = steps is not None and steps >= COMPILE_PAYS_FROM
-        return "compiled" if device_type == "cuda" or long_run else "eager"
-    return choice
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -33,11 +33,11 @@ from torch import nn
 from halfprec.machine import cpu_flags, native_bf16
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
+from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
 
 OPERANDS = ("input", "weight", "grad_output")  # the operands quantization statistics are kept for
 GEMMS = ("forward", "dgrad", "wgrad")  # y = x W^T, dx = dy W, dW = dy^T x
-HIGH = "high"  # not quantized: a layer, or one of its GEMMs, computes in the run's autocast or parameter dtype
 HADAMARD_SIZE = 16
 # a 64-bit odd constant (2^64 / golden ratio): seeds of successive backward passes far apart
 SEED_STRIDE = 0x9E3779B97F4A7C15

@@ -19,12 +19,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
 
 from torch import nn
 
 from halfprec.errors import ConfigError
-from halfprec.numerics.quantized import GEMMS, HIGH, QuantizedLinear, Recipe, gemm_label
+from halfprec.numerics.quantized import GEMMS, QuantizedLinear, Recipe, gemm_label
+from halfprec.numerics.settings import HIGH, PhaseSettings
 
 # a trigger: the diagnostics row's key it reads, and the value below which the phase begins. The
 # gradient-to-noise ratio of "FP4 All the Way" (Chmiel et al. 2025, section 4): quantized training
@@ -34,11 +34,10 @@ TRIGGERS = {"grad_noise_below_sqrt3": ("diag/grad_noise", math.sqrt(3))}
 
 @dataclass
 class PrecisionSchedule:
-    """The phases (config/schema.py's Phase: format, gemms, match, from_step, from_fraction, when) over
-    a plan's layers: `base`, each converted layer's GEMM formats before any phase; `targets`, the
-    layers each phase changes."""
+    """The phases over a plan's layers: `base`, each converted layer's GEMM formats before any phase;
+    `targets`, the layers each phase changes."""
 
-    phases: Sequence[Any]
+    phases: Sequence[PhaseSettings]
     base: dict[str, dict[str, str]]
     targets: list[list[str]]
     max_steps: int
@@ -78,7 +77,8 @@ class PrecisionSchedule:
         """The (key, threshold) the next phase waits for, if it is a trigger's and none is set."""
         if len(self.began) == len(self.phases) or self.start(len(self.began)) is not None:
             return None
-        return TRIGGERS[self.phases[len(self.began)].when]
+        when = self.phases[len(self.began)].when
+        return TRIGGERS[when] if when is not None else None
 
     def fire(self, step: int) -> None:
         """The trigger the next phase waits for held at `step`: it begins at the step after."""
@@ -109,7 +109,7 @@ class PrecisionSchedule:
         self.began = [int(step) for step in state["began"]]
 
 
-def conversion_plan(plan: dict[str, str], phases: Sequence[Any]) -> tuple[dict[str, str], list[list[str]]]:
+def conversion_plan(plan: dict[str, str], phases: Sequence[PhaseSettings]) -> tuple[dict[str, str], list[list[str]]]:
     """The layers to convert (the plan's quantized ones, and those a phase gives a format, in the
     first such phase's format) and each phase's layers."""
     quantized = [name for name, fmt in plan.items() if fmt != HIGH]
@@ -135,7 +135,7 @@ def conversion_plan(plan: dict[str, str], phases: Sequence[Any]) -> tuple[dict[s
 
 
 def build_schedule(
-    plan: dict[str, str], phases: Sequence[Any], recipe: Recipe, max_steps: int
+    plan: dict[str, str], phases: Sequence[PhaseSettings], recipe: Recipe, max_steps: int
 ) -> tuple[dict[str, str], PrecisionSchedule]:
     """The layers to convert and the schedule over them, from `plan` (numerics/layers.py's): a layer
     the plan keeps high has every GEMM high until a phase says otherwise."""

@@ -136,12 +136,13 @@ class Components:
     compiled: nn.Module | None = None  # torch.compile(stepper.net) when trainer.compile=true
 
 
-def build(cfg: Config | DictConfig, world: World | None = None) -> Components:
+def build(cfg: Config | DictConfig, world: World | None = None, device: torch.device | None = None) -> Components:
     """Seed, and build model, precision policy, optimizer, schedule and scaler from a validated config
-    (run() validates first; a notebook or a test calls halfprec.config.validate(cfg) itself)."""
+    (run() validates first; a notebook or a test calls halfprec.config.validate(cfg) itself) on
+    `device` (run() resolves it; None: resolve_device)."""
     cfg = as_config(cfg)
     world = world or World()
-    device = resolve_device(cfg.trainer.device, cfg.precision)
+    device = device if device is not None else resolve_device(cfg.trainer.device, cfg.precision)
     if device.type == "cuda" and world.enabled:
         device = torch.device("cuda", torch.cuda.current_device())  # the GPU distributed.init chose
     seed_everything(cfg.seed, cfg.trainer.deterministic)

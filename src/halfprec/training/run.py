@@ -45,9 +45,10 @@ def run(cfg: DictConfig | Config, run_dir: str | Path, validated: bool = False) 
     # a bad value fails before any process group, checkpoint, data or model
     config = cfg if isinstance(cfg, Config) else checked(cfg, validated)
     set_threads(config)
-    world = distributed.init(config.trainer.distributed, resolve_device(config.trainer.device, config.precision).type)
+    device = resolve_device(config.trainer.device, config.precision)
+    world = distributed.init(config.trainer.distributed, device.type)
     try:
-        summary = _run(config, distributed.shared_run_dir(world, Path(run_dir)), world)
+        summary = _run(config, distributed.shared_run_dir(world, Path(run_dir)), world, device)
     except BaseException:
         distributed.finish(world, completed=False)
         raise
@@ -151,9 +152,9 @@ def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, 
               "add resume=auto to continue from its checkpoint", file=sys.stderr)  # fmt: skip
 
 
-def _run(cfg: Config, run_dir: Path, world: World) -> dict:
+def _run(cfg: Config, run_dir: Path, world: World, device: torch.device) -> dict:
     path, ckpt = resume_checkpoint(cfg, run_dir, world)
-    c = build(cfg, world)
+    c = build(cfg, world, device)
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:

@@ -1,7 +1,8 @@
 """The seam for quantized layers: a converter turns the Linear layers a plan gives a format
 (numerics/layers.py) into layers that compute in it, and owns its facts: which formats and recipe
-switches it computes, which devices it runs on, which layers it can take, and how to tell its
-layers apart at the first step. `precision.kernel` picks one:
+switches it computes, which devices it runs on, which layers it can take, the precision.* keys it
+alone reads, and how to tell its layers apart at the first step. Its methods are given precision.*
+typed (numerics/settings.PrecisionSettings). `precision.kernel` picks one:
 
     emulated   QuantizedLinear (emulated.py): every format of numerics/formats, every recipe switch,
                any device
@@ -17,25 +18,22 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from halfprec.numerics.layers import HIGH
-from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.settings import HIGH, PrecisionSettings
 
 
 @dataclass(frozen=True)
 class Conversion:
     """What a converter is told about the run (each reads what applies to it)."""
 
-    recipe: Recipe
+    precision: PrecisionSettings
     seed: int  # the run's seed: stochastic rounding draws per layer from it
     rank: int
     device_type: str
-    quantizer: str  # emulated: eager | compiled (precision.quantizer, resolved)
-    emulate: bool  # native: torchao's float8 casts in emulation (precision.fp8_emulate)
+    steps: int | None  # trainer.max_steps (None: a tool's few steps)
 
 
 class Converter:
@@ -45,11 +43,11 @@ class Converter:
     reports_as = ""  # precision/kernel in the step-1 row: what computes the layers
     unfit = ""  # what `fits` asks of a layer, for the error when no layer of a model fits
 
-    def check_config(self, p: Any) -> None:
+    def check_config(self, p: PrecisionSettings) -> None:
         """Whether it computes what precision.* asks (the format, the recipe's switches, the rules'
-        formats, the dtypes around it), before anything is built."""
+        formats, the dtypes around it), before anything is built; the format names are valid."""
 
-    def check_device(self, p: Any, device: torch.device) -> None:
+    def check_device(self, p: PrecisionSettings, device: torch.device) -> None:
         """Whether it runs on `device` (and its library is installed)."""
 
     def fits(self, module: nn.Module) -> bool:

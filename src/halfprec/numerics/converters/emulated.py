@@ -1,17 +1,20 @@
-"""precision.kernel=emulated: QuantizedLinear, every format of numerics/formats on any device, its
-GEMMs on the formats' exact values (numerics/quantized.py)."""
+"""precision.kernel=emulated: QuantizedLinear, every format of numerics/formats and every recipe
+switch on any device, its GEMMs on the formats' exact values (numerics/quantized.py). Its own key:
+precision.quantizer (quantizer_for)."""
 
 from __future__ import annotations
 
-from typing import Any
+import zlib
 
 from torch import nn
 
 from halfprec.numerics.converters import Conversion, Converter, register_converter
-from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.layers import HIGH, layer_seed, recipe_reach
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_label, gemm_note
+from halfprec.numerics.settings import HIGH
 
+# A cold compile (inductor's on-disk cache empty) costs more than a CPU's eager quantizer loses over
+# a short run: precision.quantizer=auto compiles on a CPU from this many steps (docs/benchmarks.md).
+COMPILE_PAYS_FROM = 1000
 COMPILED_NOTE = (
     "quantizers: compiled (precision.quantizer), one or two fused kernels each; the first steps compile each "
     "(format, axis, shape) a layer meets, a few seconds each (precision.quantizer=eager: none)"
@@ -22,22 +25,24 @@ COMPILED_NOTE = (
 class EmulatedConverter(Converter):
     reports_as = "emulated"
 
-    def check_config(self, p: Any) -> None:
-        """Every format and switch; a partial switch none of the formats named can use is an error
-        (recipe_reach; which formats one misses is said at start, once the plan is known)."""
-        listed = [p.format, *(r.format for r in p.rules), *(phase.format for phase in p.schedule)]
-        named = [f for f in dict.fromkeys(listed) if f in FORMATS]
-        if named:
-            recipe_reach(named, Recipe(**p.recipe))
-
     def convert(self, model: nn.Module, plan: dict[str, str], how: Conversion) -> list[str]:
-        notes = recipe_reach(list(dict.fromkeys(f for f in plan.values() if f != HIGH)), how.recipe)
-        swap_emulated(model, plan, how.recipe, how.seed, how.rank, how.quantizer == "compiled")
-        notes.append(gemm_note(how.device_type))
-        return [*notes, COMPILED_NOTE] if how.quantizer == "compiled" else notes
+        compiled = quantizer_for(how.precision.quantizer, how.device_type, how.steps) == "compiled"
+        swap_emulated(model, plan, how.precision.recipe, how.seed, how.rank, compiled)
+        notes = [gemm_note(how.device_type)]
+        return [*notes, COMPILED_NOTE] if compiled else notes
 
     def layer_format(self, module: nn.Module) -> str | None:
         return gemm_label(module.gemms) if isinstance(module, QuantizedLinear) else None
+
+
+def quantizer_for(choice: str, device_type: str, steps: int | None = None) -> str:
+    """precision.quantizer: auto compiles on a GPU, where each op of the eager quantizer launches a
+    kernel, and on a CPU for a run of COMPILE_PAYS_FROM `steps` or more; a shorter one (or `steps`
+    None: a tool's few steps) stays eager."""
+    if choice == "auto":
+        long_run = steps is not None and steps >= COMPILE_PAYS_FROM
+        return "compiled" if device_type == "cuda" or long_run else "eager"
+    return choice
 
 
 def swap_emulated(
@@ -52,3 +57,9 @@ def swap_emulated(
         assert isinstance(linear, nn.Linear)
         layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), layer_seed(seed, name, rank), compiled)
         model.set_submodule(name, layer)
+
+
+def layer_seed(seed: int, name: str, rank: int) -> int:
+    """A layer's stochastic-rounding seed: the run's seed, the layer's name (crc32: the same in every
+    process, where str hashes are not) and the rank (ranks round their own gradients independently)."""
+    return (seed << 40) ^ (rank << 32) ^ zlib.crc32(name.encode())

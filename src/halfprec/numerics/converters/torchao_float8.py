@@ -2,14 +2,14 @@
 cores (compute capability 8.9+), for the fp8 formats torchao's recipes compute as the formats
 define them (rowwise: fp32 scales, as fp8_e4m3_row defines them, not torchao's default power-of-two
 ones). torchao 0.18 trains MX formats only in MoE grouped GEMMs and NVFP4 not at all, so they have
-none here. precision=fp8 is this kernel with fp8_e4m3 forward and fp8_e5m2 gradients."""
+none here. precision=fp8 is this kernel with fp8_e4m3 forward and fp8_e5m2 gradients. Its own key:
+precision.fp8_emulate."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,11 +17,12 @@ from torch import nn
 from halfprec.errors import ConfigError
 from halfprec.numerics.converters import Conversion, Converter, register_converter
 from halfprec.numerics.formats.casts import quiet_import
-from halfprec.numerics.layers import HIGH
 from halfprec.numerics.quantized import GEMMS, RECIPE_SWITCHES
+from halfprec.numerics.settings import HIGH, PrecisionSettings
 
 # (format, recipe.grad_format) -> torchao.float8's recipe that computes it
 RECIPES = {("fp8_e4m3", "fp8_e5m2"): "tensorwise", ("fp8_e4m3_row", None): "rowwise"}
+LACKS = (*RECIPE_SWITCHES, *GEMMS)  # the recipe's switches and per-GEMM formats it has no kernel for
 KEY = "precision.kernel"
 
 
@@ -30,7 +31,7 @@ class TorchaoFloat8Converter(Converter):
     reports_as = "torchao"
     unfit = "in and out features divisible by 16 (torchao's float8 kernel)"
 
-    def check_config(self, p: Any) -> None:
+    def check_config(self, p: PrecisionSettings) -> None:
         """A format torchao has a training kernel for, as the format defines it (no recipe switch the
         kernel lacks, no rule naming another format), inside bf16 autocast on fp32 weights."""
         if RECIPES.get((p.format or "", p.recipe.grad_format)) is None:
@@ -39,7 +40,7 @@ class TorchaoFloat8Converter(Converter):
                 KEY, "native", f"torchao has no training kernel for format={p.format} with recipe.grad_format="
                 f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
             )  # fmt: skip
-        switches = [f"recipe.{k}" for k in (*RECIPE_SWITCHES, *GEMMS) if p.recipe[k]] + ["schedule"] * bool(p.schedule)
+        switches = [f"recipe.{k}" for k in LACKS if getattr(p.recipe, k)] + ["schedule"] * bool(p.schedule)
         others = [r.format for r in p.rules if r.format not in (HIGH, p.format)]
         if switches or others:
             what = f"precision.{switches[0]}" if switches else f"a rule's format {others[0]}"
@@ -51,7 +52,7 @@ class TorchaoFloat8Converter(Converter):
                 "precision=bf16 with this format",
             )  # fmt: skip
 
-    def check_device(self, p: Any, device: torch.device) -> None:
+    def check_device(self, p: PrecisionSettings, device: torch.device) -> None:
         """torchao, and unless emulated, fp8 tensor cores: say which is missing."""
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("precision", p.name, 'needs torchao: pip install -e ".[fp8]"')
@@ -76,8 +77,8 @@ class TorchaoFloat8Converter(Converter):
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         fmt = next(f for f in plan.values() if f != HIGH)  # one format: check_config allows no other
-        recipe = RECIPES[(fmt, how.recipe.grad_format)]
-        config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=how.emulate)
+        recipe = RECIPES[(fmt, how.precision.recipe.grad_format)]
+        config = replace(Float8LinearConfig.from_recipe_name(recipe), emulate=how.precision.fp8_emulate)
         if recipe == "rowwise":
             config = replace(config, round_scales_to_power_of_2=False)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: plan.get(name, HIGH) != HIGH)

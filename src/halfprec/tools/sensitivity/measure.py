@@ -39,9 +39,10 @@ from halfprec.config import Config, from_saved, resolve_device
 from halfprec.errors import ConfigError
 from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.layers import HIGH, linear_layers, plan_layers
+from halfprec.numerics.layers import linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
+from halfprec.numerics.settings import HIGH
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 
 WHOLE = "(whole model)"  # the row of every planned layer in the format at once

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from halfprec.numerics.layers import HIGH, PARTIAL_SWITCHES
+from halfprec.numerics.layers import PARTIAL_SWITCHES
+from halfprec.numerics.settings import HIGH
 from halfprec.tools.sensitivity.measure import SIGNIFICANT, WHOLE, Measured, Row, SensitivityError
 
 DAMAGE_LABEL = "loss increase with the layer in the format"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from halfprec.numerics.layers import HIGH
+from halfprec.numerics.settings import HIGH
 from halfprec.tools.sensitivity.measure import WHOLE, Measured, Row
 
 
