@@ -43,6 +43,6 @@ if __name__ == "__main__":
         # torchrun: rank 0's Hydra run dir is the run's (shared with the others after the process
         # group is up); the other ranks get a scratch dir so that no stray run dirs appear
         sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='halfprec-rank-')}", "hydra.output_subdir=null"]
-    register_resolvers()  # ${halfprec.direction:...} (hparams_search=optuna), ${halfprec.dirname:...} (job dirs)
+    register_resolvers()  # ${div:...}, ${halfprec.direction:...}, ${halfprec.dirname:...}
     # every way a run or sweep ends becomes an exit code and one line (halfprec/launch/exits.py)
     sys.exit(run_cli(main, Path(__file__).resolve().parent / "conf", sys.argv[1:]))

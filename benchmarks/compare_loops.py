@@ -69,6 +69,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from halfprec.components.models import create_model  # noqa: E402
 from halfprec.config import as_config, validate  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
+from halfprec.launch.resolvers import register_resolvers  # noqa: E402
 from halfprec.numerics.params import build_params  # noqa: E402
 from halfprec.numerics.policy import PrecisionPolicy, observe_compute_dtypes  # noqa: E402
 from halfprec.spec import Choice  # noqa: E402
@@ -520,6 +521,7 @@ def compose_cfg(work: Workload, precision: str, device: torch.device, clip: floa
         overrides.append(f"optim.clip_grad_norm={clip}")
     if precision == "fp8" and device.type == "cpu":  # no fp8 tensor cores: torchao's emulation, to try the path
         overrides.append("precision.fp8_emulate=true")
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", overrides=overrides)
 

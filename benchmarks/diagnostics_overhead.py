@@ -20,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from halfprec.config import validate
+from halfprec.launch.resolvers import register_resolvers
 from halfprec.training.build import build
 from halfprec.training.diagnostics import Diagnostics
 
@@ -54,6 +55,7 @@ def main() -> None:
     print("| model | plain step | + grads | ratio | + grads + activations | ratio |")
     print("|---|---:|---:|---:|---:|---:|")
     variants = {"plain": (False, False), "grads": (True, False), "acts": (True, True)}
+    register_resolvers()
     for name, model_overrides in MODELS.items():
         with initialize_config_dir(str(CONF), version_base="1.3"):
             cfg = compose("train", overrides=["logger=none", "diagnostics=grads", *model_overrides, *args.overrides])

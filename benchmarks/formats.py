@@ -57,6 +57,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from halfprec.config import validate  # noqa: E402
 from halfprec.errors import ConfigError  # noqa: E402
+from halfprec.launch.resolvers import register_resolvers  # noqa: E402
 from halfprec.machine import cpu_flags, native_bf16  # noqa: E402
 from halfprec.numerics.quantized import QuantizedLinear  # noqa: E402
 from halfprec.training.build import Components, build  # noqa: E402
@@ -127,6 +128,7 @@ def compose_cfg(precision: str, device: torch.device, overrides: Sequence[str]) 
     """`train.py task=lm precision=<precision>` as train.py would compose it, without logging or
     progress output; `overrides` (the model's, --quick's) come last, so they win."""
     base = ["logger=none", "trainer.progress=false", f"trainer.device={device.type}", "task=lm"]
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", overrides=[*base, f"precision={precision}", *overrides])
 

@@ -45,6 +45,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from halfprec.config import as_config, validate
+from halfprec.launch.resolvers import register_resolvers
 from halfprec.training.build import Components, build, lr_factor, schedule_args
 from halfprec.training.metrics import evaluate
 from halfprec.training.run import run
@@ -60,6 +61,7 @@ AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 def compose_cfg(seed: int, steps: int, overrides: list[str]) -> DictConfig:
     """A fresh config per use: run() writes into its cfg (sched.total_steps, trainer.threads)."""
     fixed = [f"seed={seed}", f"trainer.max_steps={steps}", "logger=none", "trainer.progress=false"]
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["task=lm", *fixed, *overrides])
     validate(cfg)

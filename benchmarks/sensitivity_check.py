@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 from hydra import compose, initialize_config_dir
 
+from halfprec.launch.resolvers import register_resolvers
 from halfprec.tools.sensitivity.measure import load_run, measure, parse_recipe
 from halfprec.tools.sensitivity.output import Summary, write
 from halfprec.tools.sensitivity.rules import keep_high, ranked, rules_list
@@ -47,6 +48,7 @@ def reference_run(out: Path, steps: int) -> Path:
 
 def choices(run_dir: Path, precision: str, keep: float, batches: int) -> tuple[dict[str, list[str]], list[str]]:
     """Each way of choosing the layers kept high -> their names; and the markdown of the measurement."""
+    register_resolvers()
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         preset = compose("train", overrides=[f"precision={precision}"]).precision
     run = load_run(run_dir)

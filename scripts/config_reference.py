@@ -31,6 +31,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from halfprec.config import schema
+from halfprec.launch.resolvers import register_resolvers
 from halfprec.spec import describe, unwrap
 
 REPO = Path(__file__).resolve().parents[1]
@@ -323,6 +324,7 @@ def outputs() -> dict[Path, str]:
 
 
 def reference() -> str:
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         parts = [HEAD, *groups_section(), *keys_section(), *components_section(), *formats_section()]
     return "\n".join(parts).rstrip() + "\n"

@@ -19,9 +19,6 @@ from halfprec.config import rules, schema
 from halfprec.errors import ConfigError
 from halfprec.spec import Spec, check_node, check_value, known_keys
 
-# `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
-OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
-
 # the keys every optim config has (schema.Optim's), beside the optimizer's own arguments
 OPTIM_KEYS = tuple(f.name for f in fields(schema.Optim) if f.name != "args")
 BATCH_SIZE = Annotated[int, Spec(low=1, doc="the micro-batch size; effective batch = batch_size * accum")]

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from halfprec import ctrl_c
 from halfprec.errors import ConfigError, InitError, Interrupted, PrecisionMismatch, Preempted, TrainingAborted
 from halfprec.launch import sweep_log
+from halfprec.launch.resolvers import register_resolvers
 
 OK = 0
 BUG = 1  # an unexpected exception: the traceback is printed
@@ -385,5 +386,6 @@ def compose_with(conf_dir: Path, overrides: list[str]) -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()  # the failed run left Hydra initialized
+    register_resolvers()
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         return compose("train", overrides=overrides)

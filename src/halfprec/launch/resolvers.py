@@ -1,6 +1,11 @@
-"""The resolvers halfprec's config uses, registered before Hydra composes it (train.py):
-`${halfprec.direction:...}` (conf/hparams_search/optuna.yaml) and `${halfprec.dirname:...}`
-(conf/hydra/default.yaml's job dirs)."""
+"""Every resolver halfprec's config uses, registered by `register_resolvers()` wherever a config is
+composed (train.py, the tests' and benchmarks' compose helpers, scripts/config_reference.py):
+`${div:...}` (conf/experiment/accumulation.yaml), `${halfprec.direction:...}`
+(conf/hparams_search/optuna.yaml) and `${halfprec.dirname:...}` (conf/hydra/default.yaml's job dirs).
+
+They live in launch/, not config/: composing is the launcher's job (config/ reads a composed config),
+and the sweeper's direction needs launch/objective.py. Hydra hands registered resolvers on to the jobs
+its launchers start in other processes (submitit, joblib)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,11 @@ from omegaconf import OmegaConf
 from halfprec.launch.objective import direction
 
 DIRNAME_MAX = 128  # a job dir's name after its number; file systems allow 255 bytes
+
+
+def div(a: int, b: int) -> int:
+    """`${div:256,${accum}}`: a micro-batch that keeps the effective batch fixed across accum."""
+    return int(a) // int(b)
 
 
 def dirname(overrides: str) -> str:
@@ -24,5 +34,7 @@ def dirname(overrides: str) -> str:
 
 
 def register_resolvers() -> None:
+    """Before composing: a resolver is looked up when its value is read, which may be much later."""
+    OmegaConf.register_new_resolver("div", div, replace=True)
     OmegaConf.register_new_resolver("halfprec.direction", direction, replace=True)
     OmegaConf.register_new_resolver("halfprec.dirname", dirname, replace=True)
