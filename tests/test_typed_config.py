@@ -3,6 +3,8 @@ and back, unchanged, for W&B, checkpoints and the resume check."""
 
 from __future__ import annotations
 
+from inspect import signature
+
 import pytest
 from omegaconf import OmegaConf
 from test_cli import NEEDS, OPTIONS
@@ -10,6 +12,7 @@ from test_cli import NEEDS, OPTIONS
 from halfprec.config import Config, saved, schema
 from halfprec.config.typed import as_tree, typed
 from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.scaling import StaticLossScaler
 from halfprec.spec import Choice
 
 from helpers import compose_cfg, typed_cfg
@@ -26,7 +29,8 @@ def test_the_groups_are_their_dataclasses():
     config = typed_cfg("precision=nvfp4", "task=lm", "scaler=static", "logger=[csv]", "init=default")
     assert isinstance(config, Config) and isinstance(config.precision, schema.Precision)
     assert isinstance(config.precision.recipe, Recipe) and config.precision.recipe.hadamard
-    assert isinstance(config.scaler, schema.StaticScaler) and isinstance(config.sched, schema.CosineSchedule)
+    assert config.scaler.name == "static" and set(config.scaler.args) == set(signature(StaticLossScaler).parameters)
+    assert isinstance(config.sched, schema.CosineSchedule)
     assert (
         config.model == Choice("gpt", {k: v for k, v in config.model.args.items()}) and "n_layer" in config.model.args
     )

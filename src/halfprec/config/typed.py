@@ -15,8 +15,8 @@ from halfprec.config import schema
 from halfprec.spec import Choice
 
 # the key that names each component's choice; the group's other keys are its arguments
-CHOSEN_BY = {"task": "name", "init": "scheme", "model": "arch", "data": "name"}
-VARIANTS = {"scaler": ("kind", schema.SCALERS), "sched": ("name", schema.SCHEDULES)}
+CHOSEN_BY = {"task": "name", "init": "scheme", "model": "arch", "data": "name", "scaler": "kind"}
+VARIANTS = {"sched": ("name", schema.SCHEDULES)}
 
 
 def typed(cfg: DictConfig) -> schema.Config:
