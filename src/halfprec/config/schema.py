@@ -1,7 +1,7 @@
 """The types, ranges and allowed values of the config groups whose keys are fixed (halfprec/spec.py
 checks them). Defaults live in conf/; a new option of a group is a YAML file that sets these keys,
-with no code change. The groups whose keys depend on a choice (model, data, init, task) take their
-schema from the chosen component's own annotated arguments; optim from the optimizer's signature."""
+with no code change. The groups whose keys depend on a choice (model, data, init, task, scaler) take
+their schema from the chosen component's own annotated arguments; optim from the optimizer's signature."""
 
 from __future__ import annotations
 
