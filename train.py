@@ -10,12 +10,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from halfprec.config import objective_of, validate
+from halfprec.config.resolvers import register_resolvers
 from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
 from halfprec.launch.continuing import say_if_new_run_dir, skipped_job
 from halfprec.launch.exits import check_not_a_lone_sweep, in_sweep, job_errors, run_cli
 from halfprec.launch.objective import sweep_value
-from halfprec.launch.resolvers import register_resolvers
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
@@ -43,6 +43,6 @@ if __name__ == "__main__":
         # torchrun: rank 0's Hydra run dir is the run's (shared with the others after the process
         # group is up); the other ranks get a scratch dir so that no stray run dirs appear
         sys.argv += [f"hydra.run.dir={tempfile.mkdtemp(prefix='halfprec-rank-')}", "hydra.output_subdir=null"]
-    register_resolvers()  # ${halfprec.direction:...} (hparams_search=optuna), ${halfprec.dirname:...} (job dirs)
+    register_resolvers()  # ${div:...}, ${halfprec.direction:...}, ${halfprec.dirname:...}
     # every way a run or sweep ends becomes an exit code and one line (halfprec/launch/exits.py)
     sys.exit(run_cli(main, Path(__file__).resolve().parent / "conf", sys.argv[1:]))

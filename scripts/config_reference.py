@@ -31,6 +31,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from halfprec.config import schema
+from halfprec.config.resolvers import register_resolvers
 from halfprec.spec import describe, unwrap
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,10 +177,9 @@ def fixed_groups() -> Iterator[tuple[str, list[tuple]]]:
     yield "precision.recipe", dataclass_rows(Recipe, cfg["precision"]["recipe"], precision)
     yield "precision.rules: each rule", dataclass_rows(schema.QuantRule, {}, {})
     yield "precision.schedule: each phase", dataclass_rows(schema.Phase, {}, {})
-    for group, variants in (("scaler", schema.SCALERS), ("sched", schema.SCHEDULES)):
-        for option, cls in variants.items():
-            values = option_values(group, option)
-            yield f"{group}={option}", dataclass_rows(cls, values, yaml_comments(CONF / group / f"{option}.yaml"))
+    for option, cls in schema.SCHEDULES.items():
+        comments = yaml_comments(CONF / "sched" / f"{option}.yaml")
+        yield f"sched={option}", dataclass_rows(cls, option_values("sched", option), comments)
     for group, cls, option in (("trainer", schema.Trainer, "default"), ("diagnostics", schema.Diagnostics, "none")):
         yield group, dataclass_rows(cls, cfg[group], yaml_comments(CONF / group / f"{option}.yaml"))
     yield (
@@ -204,6 +204,7 @@ def component_tables() -> Iterator[tuple[str, str, list[tuple]]]:
     from halfprec.components.models import MODELS
     from halfprec.components.tasks import TASKS
     from halfprec.loggers import LOGGERS
+    from halfprec.numerics.scaling import SCALERS
 
     for name, task in TASKS.items():
         yield "task", f"task.name={name}", signature_rows(task, option_values("task", name))
@@ -215,6 +216,9 @@ def component_tables() -> Iterator[tuple[str, str, list[tuple]]]:
         yield "data", f"data.name={name} (and data.batch_size)", rows
     for name, scheme in INIT_SCHEMES.items():
         yield "init", f"init.scheme={name}", signature_rows(scheme, option_values("init", name), ("model",))
+    for name, scaler in SCALERS.items():
+        title = f"scaler.kind={name}" + (f" ({scaler.kind}'s keys)" if scaler.kind != name else "")
+        yield "scaler", title, signature_rows(scaler, option_values("scaler", name))
     for name, logger in LOGGERS.items():
         values = option_values("logger", name).get(name, {})
         yield "logger", f"logger={name}: logger.{name}.*", signature_rows(logger.cls, values, ("run",))
@@ -229,9 +233,9 @@ def option_values(group: str, name: str) -> dict[str, Any]:
 
 def components_section() -> list[str]:
     lines = ["## Keys of the components", "",
-             "model, data, init, task and each logger take the keyword arguments of the registered component "
-             "their name picks (its factory's annotations are the schema); the default is what the option of that "
-             "name sets (conf/<group>/<name>.yaml), else the argument's own.", ""]  # fmt: skip
+             "model, data, init, task, the scaler and each logger take the keyword arguments of the registered "
+             "component their name picks (its factory's annotations are the schema); the default is what the option "
+             "of that name sets (conf/<group>/<name>.yaml), else the argument's own.", ""]  # fmt: skip
     group = None
     for owner, title, rows in component_tables():
         if owner != group:
@@ -323,6 +327,7 @@ def outputs() -> dict[Path, str]:
 
 
 def reference() -> str:
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         parts = [HEAD, *groups_section(), *keys_section(), *components_section(), *formats_section()]
     return "\n".join(parts).rstrip() + "\n"

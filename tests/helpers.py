@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from halfprec.config import Config, validate
 from halfprec.config import compose as compose_typed
+from halfprec.config.resolvers import register_resolvers
 from halfprec.training.build import Components, build
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -24,6 +25,7 @@ TINY = ["trainer.max_steps=4", "trainer.log_every=1", "trainer.val_every=0", "mo
 
 
 def compose_cfg(*overrides: str):
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", overrides=["logger=none", "trainer.progress=false", *overrides])
 

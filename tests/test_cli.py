@@ -22,6 +22,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tiny_data import write_cifar10, write_imagefolder
 
+from halfprec.config.resolvers import register_resolvers
+
 import wandb_records
 from helpers import DTYPES
 
@@ -119,6 +121,7 @@ def disk_data(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def compose_cfg(overrides: list[str]):
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", overrides=overrides)
 
@@ -691,6 +694,7 @@ def test_multirun_records_every_job_in_sweep_jsonl_and_a_bad_job_does_not_stop_t
 
 
 def test_slurm_launcher_config_composes_with_requeue_on(tmp_path):
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
@@ -718,6 +722,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_each_with_its_own_wandb_run(cli):
 
 
 def test_experiments_define_their_sweeps():
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         acc = compose("train", overrides=["+experiment=accumulation", "accum=4"], return_hydra_config=True)
         depth = compose("train", overrides=["+experiment=init_depth"], return_hydra_config=True)
@@ -742,6 +747,7 @@ def test_experiments_define_their_sweeps():
 
 
 def test_the_language_model_experiments_sweep_lr_and_precision_on_the_gpt():
+    register_resolvers()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         lr = compose("train", overrides=["+experiment=lr_sensitivity"], return_hydra_config=True)
         precision = compose("train", overrides=["+experiment=lm_precision"], return_hydra_config=True)

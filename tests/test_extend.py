@@ -397,3 +397,44 @@ def test_a_logger_is_one_file_plus_a_yaml(fork):
     assert [line.split()[0] for line in lines] == ["1", "2", "3", "4", "5", "end"] and lines[-1] == "end completed"
     bad = train(fork, "logger=lines", "logger.lines.every=0", "hydra.run.dir=runs/bad_logger")
     assert bad.returncode == 2 and "logger.lines.every=0" in bad.stderr, bad.stderr[-3000:]
+
+
+# A loss-scaling rule: a class registered in numerics/scaling.py, whose annotated arguments are the keys
+# of its YAML.
+MY_SCALER = '''
+
+@register_scaler
+class HalvingLossScaler(LossScaler):
+    """Halves the scale on every overflow and never grows it."""
+
+    kind = "halving"
+
+    def __init__(
+        self,
+        init_scale: Annotated[float, Spec(above=0, doc="the first loss scale")] = 1024.0,
+        max_consecutive_skips: MaxConsecutiveSkips = None,
+        max_overflow_rate: MaxOverflowRate = None,
+    ):
+        super().__init__(max_consecutive_skips, max_overflow_rate)
+        self.scale = self.min_seen = self.max_seen = float(init_scale)
+
+    def _update_scale(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale /= 2
+            self.backoffs += 1
+'''
+MY_SCALER_YAML = "# halve on every overflow, never grow\nkind: halving\ninit_scale: 4096.0\nmax_consecutive_skips: 50\n"
+
+
+@pytest.mark.slow  # ~10 s: a run with the scaler and a config error in the copy
+def test_a_loss_scaling_rule_is_a_registered_class_plus_a_yaml(fork):
+    scaling = fork / "src" / "halfprec" / "numerics" / "scaling.py"
+    scaling.write_text(scaling.read_text() + MY_SCALER)
+    (fork / "conf" / "scaler" / "halving.yaml").write_text(MY_SCALER_YAML)
+    common = ["precision=fp16", "scaler=halving", "trainer.log_every=1"]
+    result = train(fork, *common, "trainer.inject_nonfinite_at=[2,4]", "hydra.run.dir=runs/scaler")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (fork / "runs" / "scaler" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["scaler/scale"] for row in rows if "scaler/scale" in row] == [4096, 2048, 2048, 1024, 1024]
+    bad = train(fork, *common, "scaler.init_scale=0", "hydra.run.dir=runs/bad_scaler")
+    assert bad.returncode == 2 and "scaler.init_scale=0: must be a number > 0 (the first loss scale)" in bad.stderr

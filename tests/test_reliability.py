@@ -356,7 +356,9 @@ def requeue(signum, frame):  # stands in for submitit's handler: requeue, then e
     sys.exit(0)
 
 signal.signal(signal.SIGUSR1, requeue)
+from halfprec.config.resolvers import register_resolvers
 from halfprec.training.run import run
+register_resolvers()
 with initialize_config_dir(sys.argv[1], version_base="1.3"):
     cfg = compose("train", overrides=["logger=none", "trainer.progress=false", "model.hidden=[512,512]",
                                       "trainer.max_steps=100000", "trainer.log_every=5", "trainer.ckpt_every=500"])

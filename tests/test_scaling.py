@@ -1,11 +1,26 @@
-"""Loss-scaler state machines: torch parity, hysteresis, the floor and the skip-storm stop."""
+"""Loss-scaler state machines: torch parity, hysteresis, the floor and the skip-storm stop; the
+scaler group's keys as its class's arguments, checked and handed over as they are."""
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import CONF
 
-from halfprec.numerics.scaling import DynamicLossScaler, LossScaler, StaticLossScaler, TrainingAborted
+from halfprec.config import validate
+from halfprec.errors import ConfigError
+from halfprec.numerics.scaling import (
+    SCALERS,
+    DynamicLossScaler,
+    LossScaler,
+    StaticLossScaler,
+    TrainingAborted,
+    build_scaler,
+)
+
+from helpers import compose_cfg, typed_cfg
 
 
 def overflow_pattern(n: int, seed: int = 0, p: float = 0.2) -> list[bool]:
@@ -169,3 +184,59 @@ def test_state_dict_round_trip_continues_identically():
         b.update(overflow)
         assert b.scale == a.scale
     assert b.state_dict() == a.state_dict()
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "scaler").glob("*.yaml")))
+def test_each_option_is_its_class_made_with_its_keys(option):
+    """The typed config holds scaler.kind and the other keys, which build_scaler hands over as they are."""
+    config = typed_cfg(f"scaler={option}", "precision=fp16")
+    scaler = build_scaler(config.scaler, uses_fp16=True)
+    assert type(scaler) is SCALERS[config.scaler.name]
+    for key, value in config.scaler.args.items():
+        assert (scaler.scale if key in ("scale", "init_scale") else getattr(scaler, key)) == value, key
+
+
+def test_auto_is_dynamic_for_fp16_and_otherwise_none_with_only_the_stops():
+    config = typed_cfg("scaler=auto", "scaler.init_scale=1024", "scaler.max_consecutive_skips=7")
+    fp16 = build_scaler(config.scaler, uses_fp16=True)
+    assert type(fp16) is DynamicLossScaler and fp16.scale == 1024 and fp16.max_consecutive_skips == 7
+    other = build_scaler(config.scaler, uses_fp16=False)
+    assert type(other) is LossScaler and other.scale == 1.0 and other.max_consecutive_skips == 7
+    assert other.max_overflow_rate == config.scaler.args["max_overflow_rate"]
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["scaler.kind=fixed"], "scaler.kind=fixed: must be one of none, static, dynamic, auto"),
+        (["scaler=static", "+scaler.init_scale=1024"], "scaler.init_scale=1024: unknown key for scaler.kind=static"),
+        (["scaler.hysteresis=0"], "scaler.hysteresis=0: must be an integer >= 1 (overflows tolerated before"),
+        (["scaler=none", "scaler.max_overflow_rate=2"], "scaler.max_overflow_rate=2: must be a number > 0 and <= 1"),
+    ],
+)
+def test_a_bad_scaler_key_is_one_line_from_its_class_annotations(overrides, line):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(*overrides))
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+CHECK_WITHOUT_TORCH = """
+import sys
+from hydra import compose, initialize_config_dir
+from halfprec.config import validate
+from halfprec.errors import ConfigError
+from halfprec.config.resolvers import register_resolvers
+
+register_resolvers()
+with initialize_config_dir(sys.argv[1], version_base="1.3"):
+    cfg = compose("train", overrides=["scaler=static", "scaler.scale=0"])
+try:
+    validate(cfg)
+except ConfigError as err:
+    print(err, "torch" in sys.modules)
+"""
+
+
+def test_a_bad_scaler_key_answers_without_importing_torch():
+    out = subprocess.run([sys.executable, "-c", CHECK_WITHOUT_TORCH, str(CONF)], capture_output=True, text=True)
+    assert out.stdout.strip() == "scaler.scale=0: must be a number > 0 (the fixed loss scale, e.g. 128) False", out

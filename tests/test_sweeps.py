@@ -107,8 +107,8 @@ def test_the_search_optimizes_the_objective_the_way_it_wants(tmp_path):
     objective=null is the task's own (val/acc for classification, val/loss for task=lm)."""
     from hydra import compose, initialize_config_dir
 
-    from halfprec.launch.objective import task_metric
-    from halfprec.launch.resolvers import register_resolvers
+    from halfprec.components.tasks import task_metric
+    from halfprec.config.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
@@ -350,8 +350,8 @@ def test_every_value_of_a_wandb_sweep_composes_and_validates(sweep_file, monkeyp
     from omegaconf import open_dict
 
     from halfprec.config import validate
+    from halfprec.config.resolvers import register_resolvers
     from halfprec.launch.exits import check_not_a_lone_sweep
-    from halfprec.launch.resolvers import register_resolvers
 
     sweep = yaml.safe_load(sweep_file.read_text())
     assert sweep["program"] == "train.py" and "${args_no_hyphens}" in sweep["command"]
@@ -434,7 +434,7 @@ def test_wandb_sweep_command_runs_train_py_with_hydra_overrides(sweep_file, tmp_
 def test_a_job_dir_name_stays_short_and_distinct():
     """A sweep over long values (precision.rules lists) got "File name too long" from Hydra's job dir
     names: past 128 bytes the name is its start and a hash of the whole."""
-    from halfprec.launch.resolvers import DIRNAME_MAX, dirname
+    from halfprec.config.resolvers import DIRNAME_MAX, dirname
 
     short = "optim.lr=0.001,seed=1"
     assert dirname(short) == short

@@ -71,11 +71,13 @@ NEVER_ANSWERS = """
 import sys, threading
 import wandb
 from hydra import compose, initialize_config_dir
+from halfprec.config.resolvers import register_resolvers
 from halfprec.loggers.wandb import WandbSink
 from halfprec.training.run import run
 
 wandb.init = lambda *args, **kwargs: threading.Event().wait()  # no answer, no timeout: never returns
 WandbSink._left_s = lambda self: 1.0  # finish gives up after 1 s, not W&B's timeout
+register_resolvers()
 with initialize_config_dir(sys.argv[1], version_base="1.3"):
     cfg = compose("train", overrides=["logger=wandb", "trainer.progress=false", *sys.argv[3:]])
 run(cfg, sys.argv[2])

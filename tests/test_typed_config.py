@@ -3,6 +3,7 @@ and back, unchanged, for W&B and checkpoints (config/saved.py); a checkpoint's r
 
 from __future__ import annotations
 
+from inspect import signature
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from halfprec.config import Config, from_saved, saved, schema
 from halfprec.config.saved import as_tree
 from halfprec.config.typed import typed
 from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.scaling import StaticLossScaler
 from halfprec.spec import Choice
 
 from helpers import compose_cfg, typed_cfg
@@ -32,7 +34,8 @@ def test_the_groups_are_their_dataclasses():
     config = typed_cfg("precision=nvfp4", "task=lm", "scaler=static", "logger=[csv]", "init=default")
     assert isinstance(config, Config) and isinstance(config.precision, schema.Precision)
     assert isinstance(config.precision.recipe, Recipe) and config.precision.recipe.hadamard
-    assert isinstance(config.scaler, schema.StaticScaler) and isinstance(config.sched, schema.CosineSchedule)
+    assert config.scaler.name == "static" and set(config.scaler.args) == set(signature(StaticLossScaler).parameters)
+    assert isinstance(config.sched, schema.CosineSchedule)
     assert (
         config.model == Choice("gpt", {k: v for k, v in config.model.args.items()}) and "n_layer" in config.model.args
     )

@@ -1,7 +1,7 @@
 """The types, ranges and allowed values of the config groups whose keys are fixed (halfprec/spec.py
 checks them). Defaults live in conf/; a new option of a group is a YAML file that sets these keys,
-with no code change. The groups whose keys depend on a choice (model, data, init, task) take their
-schema from the chosen component's own annotated arguments; optim from the optimizer's signature."""
+with no code change. The groups whose keys depend on a choice (model, data, init, task, scaler) take
+their schema from the chosen component's own annotated arguments; optim from the optimizer's signature."""
 
 from __future__ import annotations
 
@@ -99,37 +99,6 @@ class Phase:
 
 
 @dataclass
-class NoScaler:
-    kind: Literal["none"]
-    max_consecutive_skips: Annotated[
-        int | None, Spec(low=1, doc="skipped steps in a row that stop the run; null = never")
-    ]
-    max_overflow_rate: Annotated[
-        float | None, Spec(above=0, high=1, doc="share of the last 100 steps skipped that stops the run; null = never")
-    ]
-
-
-@dataclass
-class StaticScaler(NoScaler):
-    kind: Literal["static"]  # type: ignore[assignment]
-    scale: Annotated[float, Spec(above=0, doc="the fixed loss scale, e.g. 128")]
-
-
-@dataclass
-class DynamicScaler(NoScaler):
-    kind: Literal["dynamic", "auto"]  # type: ignore[assignment]
-    init_scale: Annotated[float, Spec(above=0, doc="the first loss scale, e.g. 65536")]
-    growth_factor: Annotated[float, Spec(above=1, doc="e.g. 2")]
-    backoff_factor: Annotated[float, Spec(above=0, below=1, doc="e.g. 0.5")]
-    growth_interval: Annotated[int, Spec(low=1, doc="clean steps before the scale grows")]
-    hysteresis: Annotated[int, Spec(low=1, doc="overflows tolerated before backing off; 1 = torch's rule")]
-    min_scale: Annotated[float | None, Spec(above=0, doc="the scale floor; null = none")]
-
-
-SCALERS: dict[str, type] = {"none": NoScaler, "static": StaticScaler, "dynamic": DynamicScaler, "auto": DynamicScaler}
-
-
-@dataclass
 class ConstantSchedule:
     name: Literal["constant", "cosine"]
     warmup_steps: Annotated[int, Spec(low=0, doc="linear warmup steps")]
@@ -205,7 +174,7 @@ class Config(Top):
 
     task: Choice
     precision: Precision  # with recipe a numerics/quantized.Recipe and rules QuantRules
-    scaler: NoScaler  # StaticScaler or DynamicScaler as scaler.kind says
+    scaler: Choice  # scaler.kind and its class's arguments (numerics/scaling.py)
     init: Choice
     model: Choice
     data: Data

@@ -11,14 +11,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from halfprec.config import schema
+from halfprec.config.resolvers import register_resolvers
 from halfprec.config.validate import validate, validate_optimizer
 from halfprec.spec import Choice
 
 CONF = Path(__file__).resolve().parents[3] / "conf"  # the checkout's (halfprec is installed editable from it)
 
 # the key that names each component's choice; the group's other keys are its arguments
-CHOSEN_BY = {"task": "name", "init": "scheme", "model": "arch", "data": "name"}
-VARIANTS = {"scaler": ("kind", schema.SCALERS), "sched": ("name", schema.SCHEDULES)}
+CHOSEN_BY = {"task": "name", "init": "scheme", "model": "arch", "data": "name", "scaler": "kind"}
+VARIANTS = {"sched": ("name", schema.SCHEDULES)}
 
 
 def typed(cfg: DictConfig) -> schema.Config:
@@ -94,5 +95,6 @@ def compose(overrides: Sequence[str] = (), conf: Path = CONF) -> schema.Config:
     from hydra import compose as compose_tree
     from hydra import initialize_config_dir
 
+    register_resolvers()
     with initialize_config_dir(str(conf), version_base="1.3"):
         return checked(compose_tree("train", overrides=list(overrides)))

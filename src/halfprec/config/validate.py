@@ -17,10 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from halfprec.config import rules, schema
 from halfprec.errors import ConfigError
+from halfprec.numerics.scaling import SCALERS  # torch-free, unlike the components' registries
 from halfprec.spec import Spec, check_node, check_value, known_keys
-
-# `${div:256,${accum}}` in a config: a micro-batch that keeps the effective batch fixed across accum
-OmegaConf.register_new_resolver("div", lambda a, b: int(a) // int(b), replace=True)
 
 # the keys every optim config has (schema.Optim's), beside the optimizer's own arguments
 OPTIM_KEYS = tuple(f.name for f in fields(schema.Optim) if f.name != "args")
@@ -33,7 +31,8 @@ def validate(cfg: DictConfig) -> None:
     check_node(cfg, schema.Top, "", "the top level")
     check_node(cfg.precision, schema.Precision, "precision", "precision")
     check_quantization(cfg.precision)
-    check_variant(cfg.scaler, "scaler", "kind", schema.SCALERS)
+    kind = chosen(cfg, "scaler.kind", SCALERS, "the loss scalers of halfprec/numerics/scaling.py")
+    check_node(cfg.scaler, SCALERS[kind], "scaler", f"scaler.kind={kind}", extra=("kind",))
     check_variant(cfg.sched, "sched", "name", schema.SCHEDULES)
     check_loggers(cfg.logger)
     check_node(cfg.trainer, schema.Trainer, "trainer", "trainer")
@@ -84,7 +83,7 @@ def check_quantization(p: DictConfig) -> None:
 
 
 def check_variant(node: DictConfig, group: str, key: str, variants: dict[str, type]) -> None:
-    """A group whose keys depend on one of them (scaler.kind, sched.name)."""
+    """A group whose keys depend on one of them (sched.name)."""
     choice = node.get(key)
     check_value(f"{group}.{key}", choice, Literal[tuple(variants)])
     check_node(node, variants[choice], group, f"{group}.{key}={choice}")

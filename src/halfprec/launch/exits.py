@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf.errors import OmegaConfBaseException
 
 from halfprec import ctrl_c
+from halfprec.config.resolvers import register_resolvers
 from halfprec.errors import ConfigError, InitError, Interrupted, PrecisionMismatch, Preempted, TrainingAborted
 from halfprec.launch import sweep_log
 
@@ -385,5 +386,6 @@ def compose_with(conf_dir: Path, overrides: list[str]) -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()  # the failed run left Hydra initialized
+    register_resolvers()
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         return compose("train", overrides=overrides)

@@ -5,31 +5,51 @@ whether to skip, so keeping the state machine on the host costs nothing extra an
 readable, checkpointable and exactly testable. We do not wrap torch.amp.GradScaler because it
 refuses fp16 gradients (pure fp16), has no hysteresis or floor, and exposes skips only through
 private state.
+
+Each scaler is a class registered under its `kind` (`@register_scaler`, the option `scaler.kind`);
+its constructor's annotated arguments are the keys of conf/scaler/ (config/validate.py checks them,
+scripts/config_reference.py documents them). Torch-free, so that a bad scaler key answers without it.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from halfprec.errors import TrainingAborted
+from halfprec.spec import Choice, Spec
+
+if TYPE_CHECKING:
+    import torch
 
 DIVERGING = (
     "the run is diverging, not overflowing: lower optim.lr, set optim.clip_grad_norm, try init=fixup or precision=bf16"
 )
+WINDOW = 100  # the optimizer steps scaler/overflow_rate and max_overflow_rate count over
+
+# every scaler's stops
+MaxConsecutiveSkips = Annotated[int | None, Spec(low=1, doc="skipped steps in a row that stop the run; null = never")]
+MaxOverflowRate = Annotated[
+    float | None,
+    Spec(above=0, high=1, doc=f"share of the last {WINDOW} steps skipped that stops the run; null = never"),
+]
+
+# scaler.kind -> its class
+SCALERS: dict[str, type[LossScaler]] = {}
 
 
+def register_scaler(cls: type[LossScaler]) -> type[LossScaler]:
+    SCALERS[cls.kind] = cls
+    return cls
+
+
+@register_scaler
 class LossScaler:
     """No scaling (scale 1). Still counts non-finite steps, which are skipped."""
 
     kind = "none"
 
-    def __init__(
-        self, max_consecutive_skips: int | None = None, max_overflow_rate: float | None = None, window: int = 100
-    ):
+    def __init__(self, max_consecutive_skips: MaxConsecutiveSkips = None, max_overflow_rate: MaxOverflowRate = None):
         self.scale = 1.0
         self.max_consecutive_skips = max_consecutive_skips
         self.max_overflow_rate = max_overflow_rate
@@ -40,7 +60,7 @@ class LossScaler:
         self.backoffs = 0
         self.min_seen = self.scale
         self.max_seen = self.scale
-        self.recent: deque[int] = deque(maxlen=window)  # 1 per overflowed step, for scaler/overflow_rate
+        self.recent: deque[int] = deque(maxlen=WINDOW)  # 1 per overflowed step, for scaler/overflow_rate
         # (step, scale after the update, overflowed): for crash reports
         self.history: deque[tuple[int, float, bool]] = deque(maxlen=12)
 
@@ -119,18 +139,23 @@ class LossScaler:
         self.recent = deque(state["recent"], maxlen=self.recent.maxlen)
 
 
+@register_scaler
 class StaticLossScaler(LossScaler):
     """A fixed scale: overflowed steps are skipped and counted, the scale never moves."""
 
     kind = "static"
 
     def __init__(
-        self, scale: float = 128.0, max_consecutive_skips: int | None = None, max_overflow_rate: float | None = None
+        self,
+        scale: Annotated[float, Spec(above=0, doc="the fixed loss scale, e.g. 128")] = 128.0,
+        max_consecutive_skips: MaxConsecutiveSkips = None,
+        max_overflow_rate: MaxOverflowRate = None,
     ):
         super().__init__(max_consecutive_skips, max_overflow_rate)
         self.scale = self.min_seen = self.max_seen = float(scale)
 
 
+@register_scaler
 class DynamicLossScaler(LossScaler):
     """torch.amp.GradScaler's rule, plus hysteresis and a floor.
 
@@ -148,14 +173,14 @@ class DynamicLossScaler(LossScaler):
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_consecutive_skips: int | None = None,
-        max_overflow_rate: float | None = None,
+        init_scale: Annotated[float, Spec(above=0, doc="the first loss scale, e.g. 65536")] = 2.0**16,
+        growth_factor: Annotated[float, Spec(above=1, doc="e.g. 2")] = 2.0,
+        backoff_factor: Annotated[float, Spec(above=0, below=1, doc="e.g. 0.5")] = 0.5,
+        growth_interval: Annotated[int, Spec(low=1, doc="clean steps before the scale grows")] = 2000,
+        hysteresis: Annotated[int, Spec(low=1, doc="overflows tolerated before backing off; 1 = torch's rule")] = 1,
+        min_scale: Annotated[float | None, Spec(above=0, doc="the scale floor; null = none")] = None,
+        max_consecutive_skips: MaxConsecutiveSkips = None,
+        max_overflow_rate: MaxOverflowRate = None,
     ):
         super().__init__(max_consecutive_skips, max_overflow_rate)
         self.scale = self.min_seen = self.max_seen = float(init_scale)
@@ -197,13 +222,14 @@ class DynamicLossScaler(LossScaler):
                 self.growths += 1
 
 
-SCALERS: dict[str, type[LossScaler]] = {"none": LossScaler, "static": StaticLossScaler, "dynamic": DynamicLossScaler}
+# `auto` takes dynamic's keys: dynamic for fp16 modes, else none, which keeps only the stops of them
+# (a scale of 1 has nothing to grow)
+SCALERS["auto"] = DynamicLossScaler
+STOPS = ("max_consecutive_skips", "max_overflow_rate")
 
 
-def build_scaler(cfg: Any, uses_fp16: bool) -> LossScaler:
-    """The scaler `cfg.kind` names (`auto`: dynamic for fp16 modes, none otherwise), made with the
-    keys of its typed config (config/schema.py's variant for scaler.kind) that it takes as arguments."""
-    kind = ("dynamic" if uses_fp16 else "none") if cfg.kind == "auto" else cfg.kind
-    cls = SCALERS[kind]
-    accepted = inspect.signature(cls).parameters
-    return cls(**{key: value for key, value in vars(cfg).items() if key in accepted})
+def build_scaler(scaler: Choice, uses_fp16: bool) -> LossScaler:
+    """The scaler scaler.kind names, given the group's other keys (`auto`: see SCALERS)."""
+    if scaler.name == "auto" and not uses_fp16:
+        return LossScaler(**{key: value for key, value in scaler.args.items() if key in STOPS})
+    return SCALERS[scaler.name](**scaler.args)

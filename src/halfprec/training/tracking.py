@@ -54,7 +54,7 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def run_identity(cfg: Config, run_dir: Path) -> tuple[str, str | None, list[str]]:
+def run_identity(run_dir: Path) -> tuple[str, str | None, list[str]]:
     """Loggers' run name, group and tags from Hydra: named by the job's overrides, grouped by the
     sweep (a multirun's dir, or the W&B sweep whose agent started this run), tagged with every chosen
     group option (`precision:bf16`)."""
@@ -84,7 +84,7 @@ def build_tracker(
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
     names = ["jsonl"]
     if cfg.logger:
-        name, group, tags = run_identity(cfg, run_dir)
+        name, group, tags = run_identity(run_dir)
         config = saved(cfg)
     for option, options in (cfg.logger or {}).items():
         info = RunInfo(run_dir, name, group, tags, config, resume_step, dict((states or {}).get(option) or {}))

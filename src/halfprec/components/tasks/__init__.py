@@ -77,6 +77,12 @@ def register_task(cls: T) -> T:
     return cls
 
 
+def task_metric(task: str, objective: str | None) -> Metric | None:
+    """The Metric of task `task` that `objective` names (null: the task's own default); None for an
+    unknown task or name (validate() says which)."""
+    return TASKS[task].metric(objective or TASKS[task].objective) if task in TASKS else None
+
+
 def build_task(task: Choice) -> Task:
     """The task `task.name` names; the other keys of the task group are its arguments."""
     return TASKS[task.name](**task.args)
