@@ -42,9 +42,9 @@ class StepProbes:
         self.c, self.first, self.accum = c, first, cfg.accum
         self.inject = set(cfg.trainer.inject_nonfinite_at)
         self.count_flops = cfg.trainer.count_flops
-        self.diag = Diagnostics(cfg.diagnostics, c.model, c.params)
+        self.diag = Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
         self.step_flops = 0  # this rank's forward + backward FLOPs per optimizer step, counted on the first step
-        self.schedule = c.policy.schedule
+        self.schedule = c.stepper.policy.schedule
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[Probe]:
@@ -56,16 +56,16 @@ class StepProbes:
         )
         counter = count_flops() if first and self.count_flops else None
         due = diag.due(step)
-        acts = diag.watch_activation_gradients(c.scaler.scale) if due and diag.activations else None
+        acts = diag.watch_activation_gradients(c.stepper.scaler.scale) if due and diag.activations else None
         logits = diag.watch_logits() if due else contextlib.nullcontext()
         quant = diag.watch_quantization() if due and diag.quantized else contextlib.nullcontext()
         updates = diag.watch_updates() if due else contextlib.nullcontext()  # bf16/fp16 weights without masters
         shadow = diag.watch_shadow() if due and diag.shadow else contextlib.nullcontext()
         hooked = first or injected is not None or acts is not None or due
         net = c.compiled if c.compiled is not None and not hooked else None
-        probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale, counter)
+        probe = Probe(step, net, diag.inspect_gradients if due else None, c.stepper.scaler.scale, counter)
         if self.schedule is not None and self.schedule.advance(step):
-            c.policy.enter_phase(c.model, self.schedule.phase_at(step))
+            c.stepper.policy.enter_phase(c.model, self.schedule.phase_at(step))
             probe.switched = True
         try:
             with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant, updates, shadow:
@@ -81,7 +81,7 @@ class StepProbes:
         precision than asked, also on resume), diagnostics, and where a skipped step's inf/NaN began."""
         c, diag, row = self.c, self.diag, {}
         if probe.step == self.first:
-            dtypes = c.policy.check(c.model, probe.seen, c.params.master)
+            dtypes = c.stepper.policy.check(c.model, probe.seen, c.stepper.params.master)
             if probe.step == 1:
                 row.update(dtypes)
         if probe.inspect is not None:
@@ -94,7 +94,7 @@ class StepProbes:
             if c.world.is_main:
                 print(
                     f"step {probe.step}: skipped, inf/NaN gradients from {source}; "
-                    f"scale {probe.scale_before:g} -> {c.scaler.scale:g}",
+                    f"scale {probe.scale_before:g} -> {c.stepper.scaler.scale:g}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -117,7 +117,7 @@ class StepProbes:
         if probe.switched and c.world.is_main:
             for i in range(schedule.phase_at(step - 1), phase):
                 print(f"step {step}: {schedule.describe(i)}", file=sys.stderr, flush=True)
-        return {"precision/phase": phase, **c.policy.check_layers(c.model)}
+        return {"precision/phase": phase, **c.stepper.policy.check_layers(c.model)}
 
 
 def count_flops() -> contextlib.AbstractContextManager:
