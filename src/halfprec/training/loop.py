@@ -1,6 +1,6 @@
 """The training loop (docs/design.md, "The training loop"): each part knows when it is due, and the
-loop calls them in order: probes around the step, the step, the metrics row, validation, the
-checkpoint, the stop signals."""
+loop calls them in order: the precision phases, probes around the step, the step, the metrics row,
+validation, the checkpoint, the stop signals."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from halfprec.numerics.scaling import TrainingAborted
 from halfprec.training.build import Components
 from halfprec.training.checkpoint import Checkpointer
 from halfprec.training.metrics import LoopState, MetricsWindow, Validator
+from halfprec.training.phases import PhaseSwitches
 from halfprec.training.probes import StepProbes
 from halfprec.training.progress import Progress
 from halfprec.training.signals import StopSignals
@@ -23,7 +24,7 @@ def train_loop(
 ) -> None:
     """Train from the step after `loop.step` to trainer.max_steps."""
     t, stepper = cfg.trainer, c.stepper
-    probes = StepProbes(cfg, c, first=loop.step + 1)
+    phases, probes = PhaseSwitches(c), StepProbes(cfg, c, first=loop.step + 1)
     window, validator = MetricsWindow(cfg, c, loop), Validator(cfg, c)
     stop = StopSignals()
     saver = Checkpointer(cfg, c, batches, loop, tracker, ckpt_dir, hold=stop.holding)
@@ -37,6 +38,7 @@ def train_loop(
             loop.step = step
             micro = [next(batches) for _ in range(cfg.accum)]
             lr = float(stepper.optimizer.param_groups[0]["lr"])  # this step's lr (torchao's optimizers: a tensor)
+            switched = phases.begin(step)  # precision.schedule: the phases due begin in the layers
             with probes.around(step) as probe:
                 try:  # the grad norm is computed on the steps that log it only
                     result = stepper.step(micro, probe.net, probe.inspect, window.due(step), probe.compute)
@@ -46,6 +48,7 @@ def train_loop(
                 nonfinite = Exception("non-finite gradients and trainer.nonfinite=abort")
                 raise crash(nonfinite, result.culprit, saver, window, tracker)
             row = probes.row(probe, result)
+            row.update(phases.row(step, switched, row))
             window.add(result)
             if window.due(step):
                 row.update(window.row(step, result, lr, probes.step_flops))
