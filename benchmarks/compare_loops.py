@@ -204,7 +204,7 @@ class HalfprecLoop(Loop):
         super().__init__(batches, device)
         self.c, self.log_every = c, log_every
         self.stepper = dataclasses.replace(c.stepper, clip_grad_norm=clip)
-        self.model, self.optimizer = c.model, c.optimizer
+        self.model, self.optimizer = c.model, c.stepper.optimizer
 
     def step(self) -> None:
         # train.py computes the grad norm on the steps that log it (every trainer.log_every) only
@@ -212,7 +212,7 @@ class HalfprecLoop(Loop):
         self.last_loss = result.loss
 
     def extra_tensors(self) -> Iterable[torch.Tensor]:
-        return self.c.params.compensation
+        return self.c.stepper.params.compensation
 
 
 class RawLoop(Loop):
@@ -438,8 +438,8 @@ def optimizer_like(c: Components) -> OptimizerFactory:
     order): the same class, hyperparameters and param groups. The groups matter: with init=fixup,
     halfprec gives the scalar biases and scales lr * init.scalar_lr_scale, and a loop with one lr
     for all would not do the same math."""
-    reference = c.optimizer
-    position = {id(p): i for i, p in enumerate(c.params.params)}
+    reference = c.stepper.optimizer
+    position = {id(p): i for i, p in enumerate(c.stepper.params.params)}
     layout = [[position[id(p)] for p in group["params"]] for group in reference.param_groups]
     settings = [{k: v for k, v in g.items() if k not in ("params", "initial_lr")} for g in reference.param_groups]
 
@@ -586,7 +586,7 @@ def make_loops(
     new_optimizer = optimizer_like(c)
     loops: list[Loop] = [
         HalfprecLoop(c, clip, cfg.trainer.log_every, batches, device),
-        RawLoop(copy.deepcopy(initial), new_optimizer, c.policy, clip, batches, device),
+        RawLoop(copy.deepcopy(initial), new_optimizer, c.stepper.policy, clip, batches, device),
     ]
     skipped: dict[str, str] = {}
     contenders = [
@@ -611,12 +611,12 @@ def measure(
 ) -> list[Result]:
     """Warm up every contender, time interleaved blocks, and compare them with raw."""
     loops, skipped, c, _ = make_loops(work, precision, device, args.clip_grad_norm, args.frameworks)
-    asked = dtype_name(c.policy.compute_dtype)
+    asked = dtype_name(c.stepper.policy.compute_dtype)
     results = {loop.name: Result(work.label, precision, loop.name, asked, note=loop.note) for loop in loops}
 
     warmup_s = {}
     for loop in list(loops):  # warm-up; also where the compute dtype is observed
-        c.policy.apply_backend_flags()  # TF32 is process-wide: every contender runs the row's setting
+        c.stepper.policy.apply_backend_flags()  # TF32 is process-wide: every contender runs the row's setting
         try:
             with observe_compute_dtypes(loop.model) as seen:
                 warmup_s[loop.name] = loop.run(args.warmup)
@@ -636,7 +636,7 @@ def measure(
     for round_ in range(args.repeats):
         shift = round_ % len(loops)
         for loop in loops[shift:] + loops[:shift]:  # rotate: no contender always runs first
-            c.policy.apply_backend_flags()
+            c.stepper.policy.apply_backend_flags()
             if device.type == "cuda":
                 # this contender's own memory: its resident tensors plus what its steps add on top
                 others = torch.cuda.memory_allocated(device) - cuda_bytes(loop.resident_tensors())
@@ -647,7 +647,7 @@ def measure(
                 peak_bytes[loop.name] = max(peak_bytes[loop.name], torch.cuda.max_memory_allocated(device) - others)
 
     raw = raw_loop(loops)
-    peak = peak_tflops(device, math_kind(c.policy))
+    peak = peak_tflops(device, math_kind(c.stepper.policy))
     for loop in loops:
         r = results[loop.name]
         r.median_ms, r.best_ms = statistics.median(r.block_ms), min(r.block_ms)

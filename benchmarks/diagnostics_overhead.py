@@ -33,7 +33,7 @@ def time_steps(c, diag: Diagnostics, batch: tuple, steps: int, grads: bool, acts
     """Mean ms/step of `steps` optimizer steps with the chosen diagnostics on."""
     start = time.perf_counter()
     for _ in range(steps):
-        watch = diag.watch_activation_gradients(c.scaler.scale) if acts else contextlib.nullcontext()
+        watch = diag.watch_activation_gradients(c.stepper.scaler.scale) if acts else contextlib.nullcontext()
         with watch:
             inspect = diag.inspect_gradients if grads else None
             c.stepper.step([batch], inspect=inspect)
@@ -56,7 +56,7 @@ def main() -> None:
     for name, model_overrides in MODELS.items():
         cfg = compose(["logger=none", "diagnostics=grads", *model_overrides, *args.overrides], CONF)
         c = build(cfg)
-        diag = Diagnostics(cfg.diagnostics, c.model, c.params)
+        diag = Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
         x, y = next(c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device))  # one digits batch, reused
         time_steps(c, diag, (x, y), args.steps, True, True)  # warm-up
         times: dict[str, list[float]] = {v: [] for v in variants}

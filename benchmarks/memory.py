@@ -194,13 +194,13 @@ def measure(work: Workload, mode: str, device: torch.device, steps: int) -> Row:
     dataset = dataset_bytes(c) if device.type == "cpu" else 0
     estimate = estimate_memory(c, last)
     measured = peak - dataset
-    per_param = bytes_per_param(estimate, c.params)
+    per_param = bytes_per_param(estimate, c.stepper.params)
     return Row(
         model=work.label,
         label=mode,
         precision=precision,
         overrides=list(overrides),
-        mode=c.params.kind,
+        mode=c.stepper.params.kind,
         batch_size=work.batch_size,
         estimate_mb=estimate.megabytes(),
         measured_mb=measured / MB,
@@ -219,19 +219,21 @@ def measure(work: Workload, mode: str, device: torch.device, steps: int) -> Row:
 
 
 def note(c: Components, steps: int, taken: int) -> str:
-    notes = []
+    notes, step = [], c.stepper
     if taken < steps:  # out of skips: the peak may lack the optimizer state
-        notes.append(f"only {taken} of {steps} steps updated the weights ({c.scaler.skipped_steps} skipped)")
-    elif c.scaler.skipped_steps:  # fp16's first scales can overflow: those steps come on top
-        notes.append(f"{c.scaler.skipped_steps} skipped steps besides the {steps} taken")
-    if c.policy.autocast_dtype is not None:
-        notes.append(f"activations hold autocast's {str(c.policy.autocast_dtype).removeprefix('torch.')} weight copies")
-    if c.params.kind == "master":
+        notes.append(f"only {taken} of {steps} steps updated the weights ({step.scaler.skipped_steps} skipped)")
+    elif step.scaler.skipped_steps:  # fp16's first scales can overflow: those steps come on top
+        notes.append(f"{step.scaler.skipped_steps} skipped steps besides the {steps} taken")
+    if step.policy.autocast_dtype is not None:
+        notes.append(
+            f"activations hold autocast's {str(step.policy.autocast_dtype).removeprefix('torch.')} weight copies"
+        )
+    if step.params.kind == "master":
         notes.append("fp32 master weights; master grads replace the model's during the update")
-    if c.params.kind == "lowp":
+    if step.params.kind == "lowp":
         notes.append("master w/g: fp32 upcasts during the update only")
-        if c.policy.update != "nearest":  # finish_ rounds through fp32 temporaries of each weight
-            notes.append(f"{c.policy.update} rounding's fp32 temporaries not in the estimate")
+        if step.policy.update != "nearest":  # finish_ rounds through fp32 temporaries of each weight
+            notes.append(f"{step.policy.update} rounding's fp32 temporaries not in the estimate")
     return "; ".join(notes)
 
 

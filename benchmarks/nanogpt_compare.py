@@ -117,7 +117,7 @@ def halfprec_decay_names(c: Components) -> set[str]:
     """--control: which tensors halfprec's optimizer decays, read off the optimizer build(cfg) made
     (whatever optim.no_decay says; every tensor in a version without param groups)."""
     names = {id(p): n for n, p in c.model.named_parameters()}
-    return {names[id(p)] for g in c.optimizer.param_groups if g.get("weight_decay", 0) > 0 for p in g["params"]}
+    return {names[id(p)] for g in c.stepper.optimizer.param_groups if g.get("weight_decay", 0) > 0 for p in g["params"]}
 
 
 def autocast_and_scaler(cfg: Config, device: torch.device) -> tuple[AbstractContextManager, torch.amp.GradScaler]:
@@ -173,7 +173,7 @@ def train_nanogpt(seed: int, steps: int, overrides: list[str], control: bool = F
     # cross-entropy over every validation token (in data.val_batches order, batches of
     # task.val_batch_size) and divides by the token count. Calling it here scores the same tokens
     # the same way (under the same policy.autocast() as halfprec's run).
-    val = evaluate(model, c.data, c.task, c.policy, cfg.data.batch_size, device)
+    val = evaluate(model, c.data, c.stepper.task, c.stepper.policy, cfg.data.batch_size, device)
     return {"val_loss": val["val/loss"], "first_lr": lrs[0], "last_lr": lrs[-1], "groups": describe(groups)}
 
 
@@ -200,7 +200,7 @@ def halfprec_groups(overrides: list[str], steps: int) -> list[str]:
     c = build(compose_cfg(0, steps, overrides))
     names = {id(p): n for n, p in c.model.named_parameters()}
     out = []
-    for i, g in enumerate(c.optimizer.param_groups):
+    for i, g in enumerate(c.stepper.optimizer.param_groups):
         tensors = [names.get(id(p), "?") for p in g["params"]]
         low = sum(1 for p in g["params"] if p.dim() < 2)
         out.append(

@@ -27,7 +27,7 @@ SMALL_GRADS = [
 
 def diagnostics_for(*overrides: str):
     c, cfg = build_from("model.hidden=[8,8]", "diagnostics=grads", *overrides)
-    return c, Diagnostics(cfg.diagnostics, c.model, c.params)
+    return c, Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
 
 
 def test_fractions_and_histogram_of_a_crafted_gradient():
@@ -43,7 +43,7 @@ def test_fractions_and_histogram_of_a_crafted_gradient():
     g[128:192] = 2.0**-30
     g[192:224] = 1e5
     g[224:240] = float("inf")
-    diag.inspect_gradients(c.params)
+    diag.inspect_gradients(c.stepper.params)
     row = diag.collect()
     n1 = 512 + 8
     assert row["grad_zero/fc1"] == pytest.approx(128 / n1)
@@ -93,7 +93,7 @@ def test_skip_source_of_a_forward_overflow():
 
 def test_activation_gradients_are_counted_unscaled():
     c, diag = diagnostics_for("precision=fp16")
-    with diag.watch_activation_gradients(c.scaler.scale):
+    with diag.watch_activation_gradients(c.stepper.scaler.scale):
         c.stepper.step([batch(16)])
     row = diag.collect()
     assert {k for k in row if k.startswith("act_zero/")} == {"act_zero/fc1", "act_zero/fc2", "act_zero/head"}

@@ -65,7 +65,7 @@ def test_fused_adamw_skips_exactly_like_the_default_implementation():
                 x[0, 0, 0, 0] = float("inf")  # this window overflows and is skipped
             assert step(c, [(x, y)]).skipped == (i == 1)
         final[fused] = flat_params(c.model)
-        assert c.optimizer.state[c.params.params[0]]["step"] == 3  # the skipped window left no trace
+        assert c.stepper.optimizer.state[c.stepper.params.params[0]]["step"] == 3  # the skipped window left no trace
     torch.testing.assert_close(final["true"], final["false"], rtol=0, atol=1e-6)
 
 

@@ -84,9 +84,9 @@ def test_fixup_scales_branch_layers_by_depth():
 def test_fixup_biases_and_scales_get_a_tenth_of_the_lr():
     """As in the authors' code: every parameter named *bias* or *scale* (the classifier bias too)."""
     c = build(compose_cfg("model=fixup_resnet", "init=fixup", "optim.lr=0.2", "sched=constant"))
-    lrs = [g["lr"] for g in c.optimizer.param_groups]
+    lrs = [g["lr"] for g in c.stepper.optimizer.param_groups]
     assert lrs == pytest.approx([0.2, 0.02])
-    slow = {id(p) for p in c.optimizer.param_groups[1]["params"]}
+    slow = {id(p) for p in c.stepper.optimizer.param_groups[1]["params"]}
     names = {n for n, p in c.model.named_parameters() if id(p) in slow}
     assert "classifier.bias" in names and "blocks.0.scale" in names and "blocks.0.bias1a" in names
     assert not any(n.endswith("weight") for n in names)

@@ -307,7 +307,7 @@ def test_validation_forwards_a_micro_batch_at_a_time():
         c, cfg = build_from(*overrides, "data.batch_size=4")
         seen: list[int] = []
         c.model.register_forward_hook(lambda module, args, out, seen=seen: seen.append(len(args[0])))
-        evaluate(c.model, c.data, c.task, c.policy, cfg.data.batch_size, c.device)
+        evaluate(c.model, c.data, c.stepper.task, c.stepper.policy, cfg.data.batch_size, c.device)
         assert max(seen) == most and sum(seen) == len(c.data.val), seen
 
 
@@ -323,7 +323,7 @@ def test_diagnostics_keep_the_largest_causal_attention_logit_and_the_output_log_
     assert attn.logit_max.item() == pytest.approx(5.0)
 
     model = gpt()
-    diag = Diagnostics(compose_cfg("diagnostics=grads").diagnostics, model, build_from(*TINY)[0].params)
+    diag = Diagnostics(compose_cfg("diagnostics=grads").diagnostics, model, build_from(*TINY)[0].stepper.params)
     tokens = torch.randint(0, 32, (2, 8))
     with diag.watch_logits():
         out = model(tokens)

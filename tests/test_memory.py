@@ -26,6 +26,7 @@ from halfprec.tools.memory import (
     optimizer_state_bytes,
 )
 from halfprec.training.build import Components
+from halfprec.training.step import Stepper
 
 from helpers import batch, build_from, typed_cfg
 
@@ -98,10 +99,12 @@ def test_state_matches_hand_count(overrides, expected):
 def test_adam_step_counts_are_device_memory_only_where_the_update_runs_on_the_device():
     c, _ = build_from("precision=fp32", "optim=adamw")
     cuda = torch.device("cuda")  # nothing is allocated: the count only asks where the state would live
-    assert optimizer_state_bytes(c.optimizer, c.params, cuda) == 2 * FP32 * N  # foreach: step counts on the host
-    for group in c.optimizer.param_groups:  # weights and biases: two groups (optim.no_decay)
+    assert (
+        optimizer_state_bytes(c.stepper.optimizer, c.stepper.params, cuda) == 2 * FP32 * N
+    )  # foreach: step counts on the host
+    for group in c.stepper.optimizer.param_groups:  # weights and biases: two groups (optim.no_decay)
         group["fused"] = True
-    assert optimizer_state_bytes(c.optimizer, c.params, cuda) == 2 * FP32 * N + 6 * 4
+    assert optimizer_state_bytes(c.stepper.optimizer, c.stepper.params, cuda) == 2 * FP32 * N + 6 * 4
 
 
 @pytest.mark.parametrize(
@@ -121,7 +124,7 @@ def test_adam_step_counts_are_device_memory_only_where_the_update_runs_on_the_de
 )
 def test_activations_match_hand_count(precision, expected):
     c, _ = build_from(f"precision={precision}", "model.hidden=[32,32]")
-    assert activation_bytes(c.model, c.policy, batch(8)) == expected
+    assert activation_bytes(c.model, c.stepper.policy, batch(8)) == expected
 
 
 def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
@@ -131,7 +134,8 @@ def test_pure_mode_keeps_norms_fp32_and_the_count_leaves_the_model_as_it_was():
     policy.prepare_model(model)
     params = build_params(model, policy)
     optimizer = torch.optim.SGD(params.params, lr=0.1, momentum=0.9)
-    c = Components(model, None, Classification(), policy, params, optimizer, None, None, torch.device("cpu"), None)
+    stepper = Stepper(model, Classification(), policy, params, optimizer, None, None)
+    c = Components(model, None, torch.device("cpu"), stepper)
     model.eval()
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     stats = [b.clone() for b in model.buffers()]
@@ -161,13 +165,17 @@ def lion_class() -> type[torch.optim.Optimizer]:
 Lion = lion_class()
 
 
+def with_optimizer(c: Components, optimizer: torch.optim.Optimizer) -> Components:
+    return dataclasses.replace(c, stepper=dataclasses.replace(c.stepper, optimizer=optimizer))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure", "bf16_pure_master"])
 def test_an_optimizer_without_a_rule_is_measured_after_one_step(precision):
     # two groups (decay, no_decay): the copy keeps each group's settings
     c, _ = build_from(f"precision={precision}", "optim=adamw")
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in c.optimizer.param_groups]
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in c.stepper.optimizer.param_groups]
     assert len(groups) == 2
-    estimate = estimate_memory(dataclasses.replace(c, optimizer=Lion(groups)), batch(16))
+    estimate = estimate_memory(with_optimizer(c, Lion(groups)), batch(16))
     # one fp32 momentum per parameter, whatever the weights' dtype: pure bf16 modes step fp32 upcasts
     assert estimate.optimizer_state == FP32 * N
 
@@ -180,11 +188,11 @@ def test_other_classes_and_subclasses_of_known_ones_are_measured():
         pass
 
     for optimizer, expected in [
-        (torch.optim.RMSprop(c.params.params), FP32 * n + tensors * 4),  # square_avg, a float32 step count
-        (MySGD(c.params.params, lr=0.1, momentum=0.9), FP32 * n),  # the momentum buffer
-        (MySGD(c.params.params, lr=0.1), 0),  # no momentum, no state
+        (torch.optim.RMSprop(c.stepper.params.params), FP32 * n + tensors * 4),  # square_avg, a float32 step count
+        (MySGD(c.stepper.params.params, lr=0.1, momentum=0.9), FP32 * n),  # the momentum buffer
+        (MySGD(c.stepper.params.params, lr=0.1), 0),  # no momentum, no state
     ]:
-        assert optimizer_state_bytes(optimizer, c.params, c.device) == expected, type(optimizer)
+        assert optimizer_state_bytes(optimizer, c.stepper.params, c.device) == expected, type(optimizer)
 
 
 def test_the_measurement_leaves_the_run_as_it_was_and_frees_its_copies():
@@ -198,10 +206,10 @@ def test_the_measurement_leaves_the_run_as_it_was_and_frees_its_copies():
             for p, state in self.state.items():
                 stepped.extend(weakref.ref(t) for t in (p, p.grad, state["momentum"]))
 
-    optimizer = NoisyLion(c.params.params)
+    optimizer = NoisyLion(c.stepper.params.params)
     weights = [p.detach().clone() for p in c.model.parameters()]
     rng = torch.get_rng_state()
-    assert optimizer_state_bytes(optimizer, c.params, c.device) == FP32 * (64 * 32 + 32 + 32 * 10 + 10)
+    assert optimizer_state_bytes(optimizer, c.stepper.params, c.device) == FP32 * (64 * 32 + 32 + 32 * 10 + 10)
     assert not optimizer.state and all(p.grad is None for p in c.model.parameters())
     assert all(torch.equal(p, w) for p, w in zip(c.model.parameters(), weights))
     assert torch.equal(torch.get_rng_state(), rng)
@@ -227,9 +235,9 @@ class NeedsClosure(Lion):
 )
 def test_an_optimizer_that_cannot_step_is_reported_in_one_line(optimizer, why):
     c, _ = build_from("precision=fp32", "model.hidden=[32]")
-    optimizer = optimizer(c.params.params)
+    optimizer = optimizer(c.stepper.params.params)
     with pytest.raises(UnknownOptimizer) as raised:
-        estimate_memory(dataclasses.replace(c, optimizer=optimizer), batch(8))
+        estimate_memory(with_optimizer(c, optimizer), batch(8))
     (line,) = str(raised.value).splitlines()
     name = type(optimizer).__qualname__
     assert line.startswith(f"no memory rule for test_memory.{name}, and its state cannot be measured: {why}"), line
@@ -283,7 +291,7 @@ def test_bytes_per_param_match_hand_count(memory_bench, label, expected):
     precision, overrides = memory_bench.MODES[label]  # the benchmark's labels mean what they say
     c, _ = build_from(f"precision={precision}", *overrides)
     estimate = estimate_memory(c, batch(16))
-    per = bytes_per_param(estimate, c.params)
+    per = bytes_per_param(estimate, c.stepper.params)
     zero = dict(weights=0, master=0, grads=0, optimizer_state=0, compensation=0, update=0)
     parts = {name: getattr(per, name) for name in zero}
     assert per.params == N

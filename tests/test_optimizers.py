@@ -103,20 +103,21 @@ def test_a_skipped_step_leaves_every_state_byte_unchanged(model, cls):
     cfg = compose_cfg(*model, *overrides)
     c = build(cfg)
     batches = c.data.train_batches(cfg.data.batch_size, 0, c.device, 0, 1)
-    assert type(c.optimizer) is cls
+    assert type(c.stepper.optimizer) is cls
     c.stepper.step([next(batches)])
-    before = snapshot(c.optimizer)
-    loss = c.task.loss
-    c.task.loss = lambda out, y: loss(out, y) * float("nan")  # type: ignore[method-assign]
+    before = snapshot(c.stepper.optimizer)
+    loss = c.stepper.task.loss
+    c.stepper.task.loss = lambda out, y: loss(out, y) * float("nan")  # type: ignore[method-assign]
     assert c.stepper.step([next(batches)]).skipped
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(c.optimizer), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(c.stepper.optimizer), strict=True))
 
 
 def test_the_memory_estimate_asks_the_optimizer():
     c = build(compose_cfg(*GPT, "optim.state_dtype=bfloat16"))
-    n = sum(p.numel() for p in c.params.params)
-    count = len(c.params.params)
-    assert optimizer_state_bytes(c.optimizer, c.params, c.device) == n * 2 * 2 + count * 4  # 2 bf16 moments, a step
+    n = sum(p.numel() for p in c.stepper.params.params)
+    count = len(c.stepper.params.params)
+    state = optimizer_state_bytes(c.stepper.optimizer, c.stepper.params, c.device)
+    assert state == n * 2 * 2 + count * 4  # 2 bf16 moments, a step
 
 
 @pytest.mark.parametrize(
@@ -160,20 +161,20 @@ def test_torchaos_low_bit_adamw_trains_skips_untouched_and_is_estimated_exactly(
     around forward and backward only, since a compiled update cannot run under its dispatch mode."""
     cfg = compose_cfg(*GPT, f"optim={optim}", "trainer.nonfinite=skip")
     c = build(cfg)
-    estimate = optimizer_state_bytes(c.optimizer, c.params, c.device)
+    estimate = optimizer_state_bytes(c.stepper.optimizer, c.stepper.params, c.device)
     batches = c.data.train_batches(cfg.data.batch_size, 0, c.device, 0, 1)
     c.stepper.step([next(batches)])
-    kinds = {type(s["exp_avg"]).__name__ for s in c.optimizer.state.values()}
+    kinds = {type(s["exp_avg"]).__name__ for s in c.stepper.optimizer.state.values()}
     assert kinds == {
         "Tensor",
         {"adamw8bit": "OptimState8bit", "adamw4bit": "OptimState4bit"}.get(optim, "OptimStateFp8"),
     }
-    assert estimate == sum(state_bytes(v) for s in c.optimizer.state.values() for v in s.values())
-    before = snapshot(c.optimizer)
-    loss = c.task.loss
-    c.task.loss = lambda out, y: loss(out, y) * float("nan")  # type: ignore[method-assign]
+    assert estimate == sum(state_bytes(v) for s in c.stepper.optimizer.state.values() for v in s.values())
+    before = snapshot(c.stepper.optimizer)
+    loss = c.stepper.task.loss
+    c.stepper.task.loss = lambda out, y: loss(out, y) * float("nan")  # type: ignore[method-assign]
     assert c.stepper.step([next(batches)]).skipped
-    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(c.optimizer), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(c.stepper.optimizer), strict=True))
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

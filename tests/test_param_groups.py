@@ -22,10 +22,10 @@ NORMS = ["blocks.0.norm1.weight", "blocks.0.norm2.weight", "blocks.1.norm1.weigh
 def groups(*overrides: str) -> dict[str, tuple[list[str], dict]]:
     """Each param group of the built optimizer: its parameters' names and its other settings."""
     c = build(compose_cfg(*overrides))
-    names = {id(t): n for n, t in c.params.named()}
+    names = {id(t): n for n, t in c.stepper.params.named()}
     return {
         g["name"]: ([names[id(p)] for p in g["params"]], {k: v for k, v in g.items() if k not in ("params", "name")})
-        for g in c.optimizer.param_groups
+        for g in c.stepper.optimizer.param_groups
     }
 
 

@@ -304,7 +304,7 @@ def test_a_rule_that_earlier_rules_take_every_layer_of_is_an_error_or_a_warning(
     assert shadowed_rules(model, [Rule("blocks.0.attn.qkv", HIGH), Rule("blocks.0.*", "mxfp8")]) == []
     c = build(compose_cfg(*GPT, "precision=mxfp4", "precision.rules=[{match: '*.attn.*', format: high}, "
                           "{match: blocks.1.attn.qkv, format: high}]"))  # fmt: skip
-    assert c.policy.notes[0].startswith("warning: precision.rules[1].match=blocks.1.attn.qkv changes nothing")
+    assert c.stepper.policy.notes[0].startswith("warning: precision.rules[1].match=blocks.1.attn.qkv changes nothing")
     with pytest.raises(ConfigError, match=r"precision.rules\[1\].match=blocks.1.attn.qkv: every layer it matches"):
         build(compose_cfg(*GPT, "precision=mxfp4", "precision.rules=[{match: '*.attn.*', format: high}, "
                           "{match: blocks.1.attn.qkv, format: mxfp8}]"))  # fmt: skip
@@ -433,7 +433,7 @@ def test_recipe_switches_apply_to_the_formats_that_can_use_them():
     reach = (
         "recipe: weight_2d applies to the nvfp4 layers, not to mxfp8: no square blocks (nvfp4 16x16, fp8_block 128x128)"
     )
-    assert c.policy.notes == [reach, quantized.gemm_note("cpu")]  # and how the GEMMs compute here
+    assert c.stepper.policy.notes == [reach, quantized.gemm_note("cpu")]  # and how the GEMMs compute here
     with pytest.raises(ConfigError, match=r"weight_2d=true: is for formats with square blocks .* \(mxfp8\)"):
         build(compose_cfg(*GPT, "precision=nvfp4", "precision.rules=[{match: '*', format: mxfp8}]"))
 

@@ -35,10 +35,10 @@ def test_injected_inf_skips_exactly_that_step(compute_norm):
         x, y = batch(24, seed=s)
         assert not step(c, [(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]) for i in range(3)]).skipped
     params = flat_params(c.model)
-    opt_state = copy.deepcopy(c.optimizer.state_dict())
-    sched_state = copy.deepcopy(c.scheduler.state_dict())
-    lr = c.optimizer.param_groups[0]["lr"]
-    scale = c.scaler.scale
+    opt_state = copy.deepcopy(c.stepper.optimizer.state_dict())
+    sched_state = copy.deepcopy(c.stepper.scheduler.state_dict())
+    lr = c.stepper.optimizer.param_groups[0]["lr"]
+    scale = c.stepper.scaler.scale
 
     x, y = batch(24, seed=7)
     bad = x[16:].clone()
@@ -47,14 +47,14 @@ def test_injected_inf_skips_exactly_that_step(compute_norm):
 
     assert result.skipped
     assert torch.equal(flat_params(c.model), params)
-    after = c.optimizer.state_dict()
+    after = c.stepper.optimizer.state_dict()
     for key, buf in opt_state["state"].items():
         for name, value in buf.items():
             assert torch.equal(after["state"][key][name], value), name
-    assert c.scheduler.state_dict() == sched_state
-    assert c.optimizer.param_groups[0]["lr"] == lr
-    assert c.scaler.scale == scale * 0.5
-    assert c.scaler.skipped_steps == 1 and c.scaler.backoffs == 1
+    assert c.stepper.scheduler.state_dict() == sched_state
+    assert c.stepper.optimizer.param_groups[0]["lr"] == lr
+    assert c.stepper.scaler.scale == scale * 0.5
+    assert c.stepper.scaler.skipped_steps == 1 and c.stepper.scaler.backoffs == 1
     # the next clean window steps again
     x, y = batch(24, seed=8)
     assert not step(c, [(x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]) for i in range(3)]).skipped
@@ -73,8 +73,8 @@ def test_static_scaling_unscales_to_the_fp32_gradients():
     # fp32 math with a static scale: any difference from the unscaled run is the scaler's doing
     ref, ref_out = _grads_after_one_window("scaler=none")
     scaled, out = _grads_after_one_window("scaler=static", "scaler.scale=1024")
-    assert scaled.scaler.scale == 1024
-    for p, q in zip(ref.params.params, scaled.params.params):
+    assert scaled.stepper.scaler.scale == 1024
+    for p, q in zip(ref.stepper.params.params, scaled.stepper.params.params):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=0)
     torch.testing.assert_close(out.grad_norm, ref_out.grad_norm, rtol=1e-6, atol=0)
 
@@ -85,11 +85,11 @@ def test_fp16_unscaled_gradients_do_not_depend_on_the_scale():
     ref, _ = _grads_after_one_window("scaler=none")
     low, _ = _grads_after_one_window("precision=fp16", "scaler=static", "scaler.scale=128")
     high, _ = _grads_after_one_window("precision=fp16", "scaler=static", "scaler.scale=65536")
-    for p, q in zip(low.params.params, high.params.params):
+    for p, q in zip(low.stepper.params.params, high.stepper.params.params):
         assert q.grad.dtype == torch.float32
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
-    g32 = torch.cat([p.grad.flatten() for p in ref.params.params])
-    g16 = torch.cat([p.grad.flatten() for p in low.params.params])
+    g32 = torch.cat([p.grad.flatten() for p in ref.stepper.params.params])
+    g16 = torch.cat([p.grad.flatten() for p in low.stepper.params.params])
     # a few ReLUs flip sign under fp16 rounding of the forward, hence not 1e-3
     assert ((g16 - g32).norm() / g32.norm()) < 0.1
 
@@ -104,7 +104,7 @@ def test_clipping_acts_on_unscaled_gradients():
     r2 = step(scaled, [(x, y)], clip=0.05)
     assert r1.grad_norm > 0.05  # clipping really happened
     torch.testing.assert_close(r2.grad_norm, r1.grad_norm, rtol=1e-6, atol=0)  # the pre-clip, unscaled norm
-    clipped = torch.nn.utils.get_total_norm([p.grad for p in scaled.params.params])
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in scaled.stepper.params.params])
     torch.testing.assert_close(clipped, torch.tensor(0.05), rtol=1e-5, atol=0)
     torch.testing.assert_close(flat_params(scaled.model), flat_params(ref.model), rtol=0, atol=1e-7)
 
@@ -112,7 +112,7 @@ def test_clipping_acts_on_unscaled_gradients():
 def test_grad_norm_is_unscaled_for_dynamic_fp16():
     ref, r = _grads_after_one_window("scaler=none")
     fp16, f = _grads_after_one_window("precision=fp16")
-    assert fp16.scaler.scale == 65536
+    assert fp16.stepper.scaler.scale == 65536
     torch.testing.assert_close(f.grad_norm, r.grad_norm, rtol=1e-2, atol=0)
 
 
@@ -140,7 +140,7 @@ def test_steps_without_the_norm_do_the_same_math():
         a, b = step(with_norm, micro), step(without, micro, compute_norm=False)
         assert a.grad_norm is not None and b.grad_norm is None and not a.skipped and not b.skipped
     torch.testing.assert_close(flat_params(without.model), flat_params(with_norm.model), rtol=0, atol=0)
-    assert without.scaler.state_dict() == with_norm.scaler.state_dict()
+    assert without.stepper.scaler.state_dict() == with_norm.stepper.scaler.state_dict()
     clipped = step(without, [batch(16, seed=9)], clip=0.1, compute_norm=False)
     assert clipped.grad_norm is not None and clipped.grad_norm > 0
 
@@ -178,4 +178,4 @@ def test_skip_rule_does_not_depend_on_logging(compute_norm):
         assert result.grad_norm.isinf()
     clipped, _ = build_from(*common)
     result = replace(clipped.stepper, clip_grad_norm=1.0, loss_weight=huge).step(micro, compute_norm=compute_norm)
-    assert result.skipped and clipped.scaler.skipped_steps == 1
+    assert result.skipped and clipped.stepper.scaler.skipped_steps == 1

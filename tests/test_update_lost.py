@@ -115,7 +115,7 @@ def run(precision: str, watched: bool, steps: int = 3) -> tuple[list[torch.Tenso
     """`steps` steps of the digits MLP in `precision`, each a diagnostics step (gradients inspected,
     updates watched) or none: the losses, the weights and the rows."""
     c, cfg = build_from(f"precision={precision}", "model.hidden=[16]", "optim=adamw", "diagnostics=grads")
-    diag = Diagnostics(cfg.diagnostics, c.model, c.params)
+    diag = Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
     torch.manual_seed(1)  # stochastic rounding draws from the global generator
     losses, rows = [], []
     for i in range(steps):

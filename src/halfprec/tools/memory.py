@@ -131,17 +131,18 @@ def estimate_memory(c: Components, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     leaves buffers and the RNG as they were. `total` sums the parts, though not all coexist."""
     if is_sharded(c.model):
         raise ValueError("estimate_memory counts one process's unsharded model; FSDP shards are not supported")
-    master_weights, master_grads = c.params.update_bytes()
+    step = c.stepper
+    master_weights, master_grads = step.params.update_bytes()
     return MemoryEstimate(
         params=nbytes(c.model.parameters()),
         buffers=nbytes(c.model.buffers()),
-        grads=nbytes(c.params.model_params),
+        grads=nbytes(step.params.model_params),
         master_weights=master_weights,
         master_grads=master_grads,
-        optimizer_state=optimizer_state_bytes(c.optimizer, c.params, c.device),
-        compensation=nbytes(c.params.compensation),
+        optimizer_state=optimizer_state_bytes(step.optimizer, step.params, c.device),
+        compensation=nbytes(step.params.compensation),
         inputs=nbytes(batch),
-        activations=activation_bytes(c.model, c.policy, batch, c.task),
+        activations=activation_bytes(c.model, step.policy, batch, step.task),
     )
 
 

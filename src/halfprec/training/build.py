@@ -16,7 +16,7 @@ from torch import nn
 from halfprec.components.data import DATASETS, Dataset, Split, build_dataset
 from halfprec.components.init import apply_init
 from halfprec.components.models import MODELS, create_model
-from halfprec.components.tasks import Task, build_task
+from halfprec.components.tasks import build_task
 from halfprec.config import Config, as_config, resolve_device
 from halfprec.config.schema import CosineSchedule, Optim
 from halfprec.errors import ConfigError, show_value
@@ -25,7 +25,7 @@ from halfprec.numerics.param_groups import param_groups, without_decay
 from halfprec.numerics.params import ParamStrategy, build_params
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import keep_eager
-from halfprec.numerics.scaling import LossScaler, build_scaler
+from halfprec.numerics.scaling import build_scaler
 from halfprec.training import distributed
 from halfprec.training.distributed import World
 from halfprec.training.step import Stepper
@@ -120,18 +120,14 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.opti
 
 @dataclass
 class Components:
-    """Everything a training run is built from; `build(cfg)` makes it, tests and forks reuse it."""
+    """Everything a training run is built from; `build(cfg)` makes it, tests and forks reuse it. The
+    parts the optimizer step works with (task, policy, params, optimizer, scheduler, scaler) are the
+    stepper's: read them there (`c.stepper.scaler`)."""
 
     model: nn.Module
     data: Dataset
-    task: Task
-    policy: PrecisionPolicy
-    params: ParamStrategy
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: LossScaler
     device: torch.device
-    stepper: Stepper  # the optimizer step over the parts above
+    stepper: Stepper
     world: World = field(default_factory=World)
     compiled: nn.Module | None = None  # torch.compile(stepper.net) when trainer.compile=true
 
@@ -173,7 +169,7 @@ def build(cfg: Config | DictConfig, world: World | None = None, device: torch.de
     if cfg.trainer.compile:
         keep_eager(model)
         compiled = cast(nn.Module, torch.compile(net))
-    return Components(model, data, task, policy, params, optimizer, scheduler, scaler, device, stepper, world, compiled)
+    return Components(model, data, device, stepper, world, compiled)
 
 
 def check_model_reads(model: nn.Module, cfg: Config, data: Dataset, device: torch.device) -> None:

@@ -171,10 +171,10 @@ def checkpoint_state(
     return {
         "step": loop.step,
         "model": model_state,
-        "params": c.params.state_dict(),
+        "params": c.stepper.params.state_dict(),
         "optimizer": optimizer_state,
-        "scheduler": c.scheduler.state_dict(),
-        "scaler": c.scaler.state_dict(),
+        "scheduler": c.stepper.scheduler.state_dict(),
+        "scaler": c.stepper.scaler.state_dict(),
         "rng": rng_state(),
         "data": batches.state_dict(),
         "loop": asdict(loop),
@@ -183,7 +183,7 @@ def checkpoint_state(
         "loggers": tracker.state(),  # each logger's own (W&B's run id, MLflow's): a resume continues them
         "world_size": c.world.size,
         # the steps precision.schedule's phases began (a trigger's cannot be recomputed from the step)
-        "precision_schedule": None if c.policy.schedule is None else c.policy.schedule.state_dict(),
+        "precision_schedule": None if c.stepper.policy.schedule is None else c.stepper.policy.schedule.state_dict(),
     }
 
 
@@ -195,26 +195,27 @@ def logger_states(ckpt: dict) -> dict[str, dict]:
 
 
 def restore(ckpt: dict, c: Components, batches: TrainBatches) -> LoopState:
+    stepper = c.stepper
     if distributed.is_sharded(c.model):
-        distributed.load_full_state(c.model, c.optimizer, ckpt["model"], ckpt["optimizer"])
+        distributed.load_full_state(c.model, stepper.optimizer, ckpt["model"], ckpt["optimizer"])
     else:
         c.model.load_state_dict(ckpt["model"])
-        c.params.load_optimizer_state(c.optimizer, ckpt["optimizer"])
-    c.params.load_state_dict(ckpt["params"])
-    c.scheduler.load_state_dict(ckpt["scheduler"])
+        stepper.params.load_optimizer_state(stepper.optimizer, ckpt["optimizer"])
+    stepper.params.load_state_dict(ckpt["params"])
+    stepper.scheduler.load_state_dict(ckpt["scheduler"])
     # the lr of the next step from this run's schedule, not the one the optimizer's state saved: they
     # differ when sched.total_steps changed (the same number otherwise)
-    scheduler = c.scheduler
+    scheduler = stepper.scheduler
     assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)  # build_scheduler's
-    for group, base, factor in zip(c.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for group, base, factor in zip(stepper.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(scheduler.last_epoch)
-    c.scaler.load_state_dict(ckpt["scaler"])
+    stepper.scaler.load_state_dict(ckpt["scaler"])
     batches.load_state_dict(ckpt["data"])
     set_rng_state(ckpt["rng"])
     loop = LoopState(**ckpt["loop"])
-    if c.policy.schedule is not None:  # the layers as the phases begun by the checkpoint's step left them
-        c.policy.schedule.load_state_dict(ckpt["precision_schedule"])
-        c.policy.enter_phase(c.model, c.policy.schedule.phase_at(loop.step))
+    if stepper.policy.schedule is not None:  # the layers as the phases begun by the checkpoint's step left them
+        stepper.policy.schedule.load_state_dict(ckpt["precision_schedule"])
+        stepper.policy.enter_phase(c.model, stepper.policy.schedule.phase_at(loop.step))
     sums = ckpt.get("rank_loss_sums")  # each rank's own part of the logging window, at the same world size
     if sums is not None and len(sums) == c.world.size:
         loop.clean_loss_sum = sums[c.world.rank]
@@ -249,7 +250,7 @@ class Checkpointer:
         # The ranks differ in one thing: the losses of their slices summed since the last row. Saved
         # for each, a run stopped between two rows logs the next one as an uninterrupted run would.
         rank_loss_sums = distributed.gather_on_host(self.c.world, float(loop.clean_loss_sum))
-        weights = distributed.full_state(self.c.model, self.c.optimizer)  # FSDP: every rank takes part
+        weights = distributed.full_state(self.c.model, self.c.stepper.optimizer)  # FSDP: every rank takes part
         if not self.c.world.is_main:  # the ranks hold the same state (FSDP: gathered to rank 0); rank 0 writes it
             return self.dir / (name or f"step-{loop.step:08d}.pt")
         state = checkpoint_state(self.cfg, self.c, self.batches, loop, self.tracker, weights, rank_loss_sums)

@@ -89,6 +89,19 @@ class Diagnostics:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 1 or step % self.every == 0)
 
+    def watchers(self, scale: float) -> list[contextlib.AbstractContextManager]:
+        """The hooks a diagnostics step runs under, in the order they are entered."""
+        watchers: list[contextlib.AbstractContextManager] = []
+        if self.activations:
+            watchers.append(self.watch_activation_gradients(scale))
+        watchers.append(self.watch_logits())
+        if self.quantized:
+            watchers.append(self.watch_quantization())
+        watchers.append(self.watch_updates())  # bf16/fp16 weights without masters
+        if self.shadow:
+            watchers.append(self.watch_shadow())
+        return watchers
+
     @torch.no_grad()
     def inspect_gradients(self, params: ParamStrategy) -> None:
         """Called by the optimizer step between unscaling and clipping: the true gradients.

@@ -41,7 +41,7 @@ class MetricsWindow:
         self.c, self.loop = c, loop
         self.log_every, self.max_steps = cfg.trainer.log_every, cfg.trainer.max_steps
         self.per_step = cfg.data.batch_size * cfg.accum * c.world.size  # the effective batch
-        self.peak = peak_tflops(c.device, math_kind(c.policy))  # None on a CPU or a chip not in the table
+        self.peak = peak_tflops(c.device, math_kind(c.stepper.policy))  # None on a CPU or a chip not in the table
         self.last_time = time.perf_counter()
 
     def due(self, step: int) -> bool:
@@ -58,7 +58,7 @@ class MetricsWindow:
         self.last_time = time.perf_counter()
 
     def row(self, step: int, result: StepResult, lr: float, step_flops: int) -> dict:
-        loop, scaler, now = self.loop, self.c.scaler, time.perf_counter()
+        loop, scaler, now = self.loop, self.c.stepper.scaler, time.perf_counter()
         n, seconds = step - loop.last_row_step, now - self.last_time
         loss = loop.clean_loss_sum / loop.clean_steps if loop.clean_steps else result.loss
         if self.c.world.size > 1:  # DDP: each rank saw its own slice of the batch (a float after a checkpoint)
@@ -71,7 +71,7 @@ class MetricsWindow:
             "scaler/skipped": scaler.skipped_steps - loop.skipped_before,
             **scaler.metrics(),
             "perf/samples_per_s": n * self.per_step / seconds,
-            **self.c.task.throughput(n * self.per_step / seconds, self.c.data),
+            **self.c.stepper.task.throughput(n * self.per_step / seconds, self.c.data),
             "perf/step_ms": 1000 * seconds / n,
         }
         if step_flops:  # matmuls, convolutions, attention; not the optimizer's elementwise math
@@ -86,7 +86,7 @@ class MetricsWindow:
 
     def stop_row(self) -> dict:
         """The counters of the step that stopped a run: the last row, which reports read."""
-        scaler = self.c.scaler
+        scaler = self.c.stepper.scaler
         return {**scaler.metrics(), "scaler/skipped": scaler.skipped_steps - self.loop.skipped_before}
 
 
@@ -106,7 +106,7 @@ class Validator:
 
     def run(self) -> dict:
         c = self.c
-        return evaluate(c.model, c.data, c.task, c.policy, self.batch_size, c.device, c.world)
+        return evaluate(c.model, c.data, c.stepper.task, c.stepper.policy, self.batch_size, c.device, c.world)
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
-"""What watches an optimizer step from outside it: the first step's dtype check and FLOP count,
-gradient diagnostics, overflows injected for testing the skip path, and which module the step runs
-through (steps that hook into layers run eagerly: a hook added to a compiled model recompiles it)."""
+"""What watches an optimizer step without changing it: the first step's dtype check and FLOP count,
+gradient diagnostics, and which module the step runs through (steps that hook into layers run
+eagerly: a hook added to a compiled model recompiles it). Also the one test hook: overflows injected
+to check the skip path (trainer.inject_nonfinite_at)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from halfprec.numerics.params import ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES, observe_compute_dtypes
 from halfprec.training.build import Components
 from halfprec.training.diagnostics import Diagnostics
-from halfprec.training.distributed import any_rank
 from halfprec.training.step import StepResult
 
 
@@ -34,7 +34,6 @@ class Probe:
     # that compiles its update (torchao's low-bit AdamW) cannot run under a dispatch mode
     compute: contextlib.AbstractContextManager | None = None
     seen: set[torch.dtype] = field(default_factory=set)
-    switched: bool = False  # a precision.schedule phase began at this step
 
 
 class StepProbes:
@@ -42,88 +41,66 @@ class StepProbes:
         self.c, self.first, self.accum = c, first, cfg.accum
         self.inject = set(cfg.trainer.inject_nonfinite_at)
         self.count_flops = cfg.trainer.count_flops
-        self.diag = Diagnostics(cfg.diagnostics, c.model, c.params)
+        self.diag = Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
         self.step_flops = 0  # this rank's forward + backward FLOPs per optimizer step, counted on the first step
-        self.schedule = c.policy.schedule
+
+    def injects(self, step: int) -> bool:
+        """The test hook trainer.inject_nonfinite_at: overflow at `step`, under DDP on rank 0 only (the
+        other ranks skip the step all the same)."""
+        return step in self.inject and self.c.world.is_main
+
+    def probe(self, step: int) -> Probe:
+        """What `step` runs through: eagerly where hooks watch it (a hook added to a compiled module
+        recompiles it), with the gradient inspection on diagnostics steps, the FLOP count on the first."""
+        c, first, due = self.c, step == self.first, self.diag.due(step)
+        eager = c.compiled is None or first or due or self.injects(step)
+        inspect = self.diag.inspect_gradients if due else None
+        counter = count_flops() if first and self.count_flops else None
+        return Probe(step, None if eager else c.compiled, inspect, c.stepper.scaler.scale, counter)
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[Probe]:
-        c, diag, first = self.c, self.diag, step == self.first
-        # under DDP on rank 0 only: the other ranks must skip the step all the same
-        injected = inject_nonfinite_grad(c.model, self.accum) if step in self.inject and c.world.is_main else None
-        watch: contextlib.AbstractContextManager[set[torch.dtype]] = (
-            observe_compute_dtypes(c.model) if first else contextlib.nullcontext(set())
-        )
-        counter = count_flops() if first and self.count_flops else None
-        due = diag.due(step)
-        acts = diag.watch_activation_gradients(c.scaler.scale) if due and diag.activations else None
-        logits = diag.watch_logits() if due else contextlib.nullcontext()
-        quant = diag.watch_quantization() if due and diag.quantized else contextlib.nullcontext()
-        updates = diag.watch_updates() if due else contextlib.nullcontext()  # bf16/fp16 weights without masters
-        shadow = diag.watch_shadow() if due and diag.shadow else contextlib.nullcontext()
-        hooked = first or injected is not None or acts is not None or due
-        net = c.compiled if c.compiled is not None and not hooked else None
-        probe = Probe(step, net, diag.inspect_gradients if due else None, c.scaler.scale, counter)
-        if self.schedule is not None and self.schedule.advance(step):
-            c.policy.enter_phase(c.model, self.schedule.phase_at(step))
-            probe.switched = True
-        try:
-            with watch as probe.seen, acts or contextlib.nullcontext(), logits, quant, updates, shadow:
-                yield probe
-        finally:
-            if injected is not None:
-                injected.remove()
-        if counter is not None:
-            self.step_flops = counter.get_total_flops()  # type: ignore[attr-defined]
+        c, probe = self.c, self.probe(step)
+        with contextlib.ExitStack() as hooks:  # in this order: the diagnostics see an injected overflow
+            if self.injects(step):
+                hooks.enter_context(inject_nonfinite_grad(c.model, self.accum))
+            if step == self.first:
+                probe.seen = hooks.enter_context(observe_compute_dtypes(c.model))
+            if self.diag.due(step):
+                for watcher in self.diag.watchers(probe.scale_before):
+                    hooks.enter_context(watcher)
+            yield probe
+        if probe.compute is not None:
+            self.step_flops = probe.compute.get_total_flops()  # type: ignore[attr-defined]
 
     def row(self, probe: Probe, result: StepResult) -> dict:
         """The dtypes at the first step (checked against the policy: never silently train in another
         precision than asked, also on resume), diagnostics, and where a skipped step's inf/NaN began."""
         c, diag, row = self.c, self.diag, {}
+        policy, scaler = c.stepper.policy, c.stepper.scaler
         if probe.step == self.first:
-            dtypes = c.policy.check(c.model, probe.seen, c.params.master)
+            dtypes = policy.check(c.model, probe.seen, c.stepper.params.master)
             if probe.step == 1:
                 row.update(dtypes)
         if probe.inspect is not None:
             row.update(diag.collect())
-        if self.schedule is not None:
-            row.update(self.phase_row(probe, row))
         if result.skipped and diag.skips:  # the loss is read back only on skipped steps
             source = diag.skip_source(result.loss, result.culprit)
             row["diag/skip_source"] = source
             if c.world.is_main:
                 print(
                     f"step {probe.step}: skipped, inf/NaN gradients from {source}; "
-                    f"scale {probe.scale_before:g} -> {c.scaler.scale:g}",
+                    f"scale {probe.scale_before:g} -> {scaler.scale:g}",
                     file=sys.stderr,
                     flush=True,
                 )
         return row
 
-    def phase_row(self, probe: Probe, row: dict) -> dict:
-        """precision.schedule: at step 1 and where a phase begins, the phase and the layer counts (the
-        first-step check's, which also checks each layer computes as the phase says), printed; on a
-        diagnostics step, whether the trigger the next phase waits for holds (then it begins next step)."""
-        c, schedule, step = self.c, self.schedule, probe.step
-        assert schedule is not None
-        pending = schedule.pending_trigger()
-        if pending is not None and pending[0] in row:  # every rank decides alike: the ranks' rows differ
-            key, threshold = pending
-            if any_rank(torch.tensor(float(row[key] < threshold), device=c.device)):
-                schedule.fire(step)
-        if not (probe.switched or step == 1):
-            return {}
-        phase = schedule.phase_at(step)
-        if probe.switched and c.world.is_main:
-            for i in range(schedule.phase_at(step - 1), phase):
-                print(f"step {step}: {schedule.describe(i)}", file=sys.stderr, flush=True)
-        return {"precision/phase": phase, **c.policy.check_layers(c.model)}
-
 
 def count_flops() -> contextlib.AbstractContextManager:
     """torch's FLOP counter (matmuls, convolutions, attention; from shapes, no host sync), for the
     first step only: it sees every op through Python dispatch, which would slow every step."""
-    from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports; not for --help or a config error
+    from torch.utils.flop_counter import FlopCounterMode  # a slow import: not for --help or a config error
 
     # An op without a FLOP formula is run as its decomposition, which for SiLU's backward differs from
     # the kernel in the last bit, so a resumed run's first step would not be the straight run's: counted

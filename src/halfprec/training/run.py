@@ -158,7 +158,8 @@ def _run(cfg: Config, run_dir: Path, world: World, device: torch.device) -> dict
     batches = c.data.train_batches(cfg.data.batch_size, cfg.seed, c.device, world.rank, world.size)
     loop = restore(ckpt, c, batches) if ckpt else LoopState()
     if world.is_main:
-        say_where(cfg, run_dir, path, loop.step, c.policy, model_lines(cfg, c.model, c.data.input_shape, c.device.type))
+        model = model_lines(cfg, c.model, c.data.input_shape, c.device.type)
+        say_where(cfg, run_dir, path, loop.step, c.stepper.policy, model)
         resume_step = loop.step if ckpt else None
         tracker = build_tracker(cfg, run_dir, resume_step=resume_step, states=logger_states(ckpt) if ckpt else None)
     else:
@@ -206,7 +207,7 @@ def interrupted_line(step: int, run_dir: Path, world: World) -> str:
 
 def end_summary(cfg: Config, c: Components, loop: LoopState, status: str, exit_code: int, wall_s: float) -> dict:
     """summary.json and the W&B summary: how the run ended and its final numbers."""
-    final, scaler = loop.final, c.scaler
+    final, scaler = loop.final, c.stepper.scaler
     return {
         "status": status,
         "train/loss": final.get("train/loss"),
@@ -237,12 +238,12 @@ def write_summary(path: Path, summary: dict) -> None:
 
 def complete(cfg: Config, c: Components, loop: LoopState, run_dir: Path, steps: int, wall_s: float) -> dict:
     """A run that reached trainer.max_steps: the ranks agree, the losses are finite; its summary."""
-    distributed.check_ranks_agree(c.model, c.scaler.scale, c.scaler.skipped_steps)
+    distributed.check_ranks_agree(c.model, c.stepper.scaler.scale, c.stepper.scaler.skipped_steps)
     check_finite(loop.final, cfg.trainer.max_steps)
     summary = end_summary(cfg, c, loop, "completed", 0, wall_s)
     summary["checkpoint"] = str(checkpoint_files(run_dir / "checkpoints")[-1])
     if c.world.is_main:
-        print(done_line(summary, steps, c.scaler, run_dir), file=sys.stderr)
+        print(done_line(summary, steps, c.stepper.scaler, run_dir), file=sys.stderr)
     return summary
 
 

@@ -2,7 +2,9 @@
 
 A Stepper holds what the step works with (the module forward/backward run through, the task, the
 precision policy, the parameter strategy, optimizer, schedule, loss scaler, clipping), built once
-(training/build.py); a caller passes only the micro-batches.
+(training/build.py); the rest of a run reads those parts here. A caller passes the micro-batches and,
+from the loop, what this step is watched with (the module to run through, a gradient inspection,
+whether to compute the norm, a context around forward and backward).
 """
 
 from __future__ import annotations
@@ -60,12 +62,12 @@ class Stepper:
         step's FLOP count)."""
         # `is None`, not `or`: truth-testing a compiled module asks its len(), which a GPT lacks
         net, params, k = self.net if net is None else net, self.params, len(micro_batches)
-        # Dropping the grads before the first backward rather than after the step: same numerics,
-        # and on CPU it measured 25% faster (fewer large frees and re-mmaps per step).
+        # dropped before the first backward, not after the step: same numerics, fewer large frees
+        # and re-mmaps per step on a CPU (docs/benchmarks.md, "The optimizer step's costs")
         params.drop_grads()
 
         # 1. forward under autocast, loss in fp32, scaled backward of loss / k
-        weight = self.loss_weight / k  # one multiply, and none in the common case (a tiny model's step is ~1 ms)
+        weight = self.loss_weight / k  # one multiply, none when it is 1 (docs/benchmarks.md)
         losses = []
         with compute or contextlib.nullcontext():
             for i, (inputs, targets) in enumerate(micro_batches):
@@ -111,9 +113,8 @@ class Stepper:
         Skip iff a gradient holds inf/NaN, as GradScaler does, checked by torch's fused AMP check.
         Clipping needs a finite norm, so when clipping the norm is the check (inf/NaN anywhere makes
         it inf/NaN; so does a sum of squares past fp32's range). FSDP's grads are shards and their
-        norm a DTensor: `full` makes it the global norm. The norm is computed only where it is used
-        (clipping, logged steps): on a 1.1 ms CPU step the fused check and its read take 27 us, the
-        norm and its read 67."""
+        norm a DTensor: `full` makes it the global norm. The norm, dearer than the fused check, is
+        computed only where it is used (clipping, logged steps; docs/benchmarks.md)."""
         if not grads:  # nothing has a gradient: nothing to check
             return torch.zeros(()), False
         if self.clip_grad_norm is not None:
