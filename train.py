@@ -9,7 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from halfprec.config import objective_of, validate
+from halfprec.config import checked
 from halfprec.config.resolvers import register_resolvers
 from halfprec.errors import TrainingAborted
 from halfprec.launch.cluster import join_job_tasks
@@ -23,19 +23,20 @@ def main(cfg: DictConfig) -> float:
     with job_errors():  # one line and an exit code; in a sweep, the job is recorded as failed instead
         join_job_tasks()  # a submitit job of several tasks: one distributed run, as under torchrun
         check_not_a_lone_sweep()  # +experiment=formats without -m
-        validate(cfg)  # a bad value fails before any data or model is built
-        say_if_new_run_dir(cfg)  # resume=auto without hydra.run.dir
-        summary = skipped_job(cfg)  # a sweep continued with resume=auto: a job that finished is not run again
+        config = checked(cfg)  # validated and typed: a bad value fails before any data or model is built
+        say_if_new_run_dir(config.resume)  # resume=auto without hydra.run.dir
+        # a sweep continued with resume=auto: a job that finished is not run again
+        summary = skipped_job(config.resume, config.trainer.max_steps)
         if summary is None:
             from halfprec.training.run import run
 
             try:
-                summary = run(cfg, HydraConfig.get().runtime.output_dir, validated=True)
+                summary = run(config, HydraConfig.get().runtime.output_dir)
             except TrainingAborted:
                 if not in_sweep():
                     raise
                 summary = {"status": "diverged"}  # a result for the sweep: the worst objective for a search
-    return sweep_value(*objective_of(cfg), summary)  # the objective, for a sweeper (hparams_search=optuna)
+    return sweep_value(config.task.name, config.objective, summary)  # for a sweeper (hparams_search=optuna)
 
 
 if __name__ == "__main__":

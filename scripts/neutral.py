@@ -13,7 +13,7 @@ the last bit (-0.0 is not 0.0, 1 is not 1.0), except the keys that measure time 
 commit is checked out into a temporary `git worktree add --detach`, removed afterwards; each tree
 runs its own train.py with its own src/ alone on PYTHONPATH, on one CPU thread, two runs at a time.
 It prints a line per command (rows compared, OK or the first difference) and the total time, and
-exits 1 if any command differs or fails in either tree. About 2.5 minutes on 2 cores.
+exits 1 if any command differs or fails in either tree. About 3.5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ COMMANDS: dict[str, list[str]] = {
     "fixup_fp16": [*RESNET, "init=fixup", *FP16],
     "gpt": [*GPT],  # AdamW, clipping at 1.0, cosine_tenth (conf/task_optim/lm_adamw.yaml)
     "gpt_nvfp4": [*GPT, "precision=nvfp4"],  # stochastic gradient rounding, Hadamard, 2D weight blocks
+    # a precision schedule: the backward's GEMMs go high at step 5 (the phase's row and layer counts)
+    "gpt_mxfp8_schedule": [
+        *GPT,
+        "precision=mxfp8",
+        "precision.schedule=[{format:high,gemms:[dgrad,wgrad],from_step:5}]",
+    ],  # fmt: skip
 }
 
 

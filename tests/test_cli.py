@@ -391,17 +391,19 @@ def test_a_precision_a_cpu_runs_slowly_is_said_at_start(precision, flags, slow, 
 
 
 def test_a_run_validates_its_config_once(tmp_path, monkeypatch):
-    """train.py validates before it imports torch and tells run() so; build() never validates."""
-    import halfprec.config
+    """train.py checks and types the config, then hands run() the typed one, which it does not check
+    again; run() given a composed config checks it; build() never validates."""
+    import halfprec.config.typed as typed_module
     import halfprec.training.run as run_module
+    from halfprec.config.validate import validate
 
     calls = []
-    monkeypatch.setattr(run_module, "validate", lambda cfg: calls.append(cfg) or halfprec.config.validate(cfg))
-    cfg = compose_cfg(["logger=none", "trainer.progress=false", *CHEAP])
-    run_module.run(cfg, tmp_path / "a", validated=True)
-    assert calls == []
-    run_module.run(compose_cfg(["logger=none", "trainer.progress=false", *CHEAP]), tmp_path / "b")
+    monkeypatch.setattr(typed_module, "validate", lambda cfg: calls.append(cfg) or validate(cfg))
+    config = typed_module.checked(compose_cfg(["logger=none", "trainer.progress=false", *CHEAP]))
+    run_module.run(config, tmp_path / "a")
     assert len(calls) == 1
+    run_module.run(compose_cfg(["logger=none", "trainer.progress=false", *CHEAP]), tmp_path / "b")
+    assert len(calls) == 2
     assert "validate" not in vars(__import__("halfprec.training.build", fromlist=["build"]))
 
 

@@ -4,7 +4,7 @@ the code reads (typed.py) and the saved tree loggers and checkpoints keep (saved
 from halfprec.config.rules import config_warnings, resolve_device
 from halfprec.config.saved import changes, from_saved, saved
 from halfprec.config.schema import Config
-from halfprec.config.typed import as_config, checked, compose, fail_fast_of, objective_of
+from halfprec.config.typed import as_config, checked, compose, fail_fast_of
 from halfprec.config.validate import validate, validate_optimizer
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "config_warnings",
     "fail_fast_of",
     "from_saved",
-    "objective_of",
     "resolve_device",
     "saved",
     "validate",

@@ -158,9 +158,8 @@ def config_warnings(cfg: Config, device_type: str = "cpu") -> list[str]:
 
 
 def slow_on_cpu(p: Precision) -> str | None:
-    """The precision modes a CPU computes exactly but far slower than fp32 (measured on a 2-core Xeon
-    with AMX, torch 2.14: a 3x3 conv's forward and backward on 32x64x16x16 in fp16 autocast took 155x
-    fp32's time; task=lm's step in bf16 13x fp32's with torch and oneDNN limited to AVX2)."""
+    """The precision modes a CPU computes exactly but far slower than fp32 (docs/benchmarks.md has the
+    figures)."""
     dtypes = {p.autocast, p.param_dtype}
     advice = "exact, so fine for checking numerics; for speed use precision=fp32 here, or a GPU"
     if "float16" in dtypes:

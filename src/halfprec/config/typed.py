@@ -65,11 +65,6 @@ def precision_of(node: dict[str, Any]) -> schema.Precision:
     return schema.Precision(**{**node, "recipe": Recipe(**node["recipe"]), "rules": rules, "schedule": schedule})
 
 
-def objective_of(cfg: DictConfig) -> tuple[str, str | None]:
-    """The task and the objective a sweeper is given back (train.py), from the composed config."""
-    return cfg.task.name, cfg.objective
-
-
 def fail_fast_of(cfg: DictConfig) -> bool:
     """Whether a sweep stops at its first failed job (a Hydra callback's job config: a job that failed
     validation has no typed config, and its fail_fast may be anything)."""
@@ -81,11 +76,9 @@ def as_config(cfg: DictConfig | schema.Config) -> schema.Config:
     return cfg if isinstance(cfg, schema.Config) else typed(cfg)
 
 
-def checked(cfg: DictConfig, validated: bool = False) -> schema.Config:
-    """`cfg` validated (`validated`: validate(cfg) has run, as train.py runs it before importing
-    torch), its optimizer's arguments checked, and typed."""
-    if not validated:
-        validate(cfg)
+def checked(cfg: DictConfig) -> schema.Config:
+    """`cfg` validated (the schemas and rules, then the optimizer's arguments) and typed."""
+    validate(cfg)
     validate_optimizer(cfg)
     return typed(cfg)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig
 
 from halfprec.errors import ConfigError
 from halfprec.launch.exits import in_sweep
@@ -88,21 +87,21 @@ def finished_job(run_dir: Path, max_steps: int) -> dict | None:
     return None
 
 
-def skipped_job(cfg: DictConfig) -> dict | None:
+def skipped_job(resume: str | None, max_steps: int) -> dict | None:
     """finished_job for this Hydra job when it is one of a sweep continued with resume=auto."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not in_sweep() or cfg.get("resume") != "auto":
+    if not in_sweep() or resume != "auto":
         return None
-    return finished_job(Path(HydraConfig.get().runtime.output_dir), int(cfg.trainer.max_steps))
+    return finished_job(Path(HydraConfig.get().runtime.output_dir), max_steps)
 
 
-def say_if_new_run_dir(cfg: DictConfig) -> None:
+def say_if_new_run_dir(resume: str | None) -> None:
     """A single run with resume=auto and no hydra.run.dir gets a new, empty run dir: say so, since
     the user meant to continue an earlier run."""
     from hydra.core.hydra_config import HydraConfig
 
-    if in_sweep() or cfg.get("resume") != "auto":
+    if in_sweep() or resume != "auto":
         return
     hydra = HydraConfig.get()
     if not any(o.startswith("hydra.run.dir=") for o in hydra.overrides.hydra):

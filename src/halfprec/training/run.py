@@ -38,12 +38,10 @@ from halfprec.training.signals import resume_command
 from halfprec.training.tracking import Tracker, build_tracker
 
 
-def run(cfg: DictConfig | Config, run_dir: str | Path, validated: bool = False) -> dict:
-    """Train as `cfg` says (a Config: halfprec.config.compose's), writing metrics and checkpoints under
-    `run_dir`. Returns the final metrics. `validated`: the caller has run halfprec.config.validate(cfg)
-    (train.py does, before importing torch)."""
-    # a bad value fails before any process group, checkpoint, data or model
-    config = cfg if isinstance(cfg, Config) else checked(cfg, validated)
+def run(cfg: DictConfig | Config, run_dir: str | Path) -> dict:
+    """Train as `cfg` says, writing metrics and checkpoints under `run_dir`; return the final metrics.
+    A composed `cfg` is checked and typed first (halfprec.config.checked; train.py passes a Config)."""
+    config = cfg if isinstance(cfg, Config) else checked(cfg)  # before any process group, checkpoint or model
     set_threads(config)
     device = resolve_device(config.trainer.device, config.precision)
     world = distributed.init(config.trainer.distributed, device.type)
