@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from halfprec.config import resolve_device, validate
+from halfprec.config.schema import QuantRule as Rule
 from halfprec.config.typed import typed
 from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
@@ -21,7 +22,7 @@ from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.layers import Rule, plan_layers, shadowed_rules
+from halfprec.numerics.layers import plan_layers, shadowed_rules
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, keep_eager
 from halfprec.numerics.settings import HIGH
 from halfprec.training.build import build

@@ -12,7 +12,6 @@ layer) unless a rule names it. A converter (numerics/converters) swaps the plann
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -23,12 +22,6 @@ from halfprec.numerics.quantized import Recipe
 from halfprec.numerics.settings import HIGH, PrecisionSettings, RuleSettings
 
 Fits = Callable[[nn.Module], bool]  # whether the converter can take a Linear layer at all
-
-
-@dataclass(frozen=True)
-class Rule:
-    match: str  # a glob on module names: "blocks.3.*", "*.mlp.fc", "lm_head"
-    format: str  # a format of numerics/formats, or high
 
 
 def linear_layers(model: nn.Module) -> list[str]:
