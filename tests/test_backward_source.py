@@ -1,6 +1,6 @@
 """precision.recipe.backward_source (numerics/quantized.py): the backward GEMMs' x and W quantized from
 the high-precision tensors (high) or re-quantized from the forward's quantized copies (forward), each
-against the product written out by hand; the CLI."""
+against the product written out by hand; what the memory estimate counts for those copies; the CLI."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats import quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, held_bytes
+from halfprec.tools.memory import activation_bytes
 
-from helpers import compose_cfg
+from helpers import batch, build_from, compose_cfg
 
 SOURCES = ("high", "forward")
 
@@ -145,6 +146,27 @@ def test_held_bytes_count_elements_and_scales():
     assert held_bytes("mxfp8", shape, False) == 1024 + 32
     assert held_bytes("fp8_e4m3_row", shape, False) == 1024 + 16 * 4
     assert held_bytes("mxfp6_e2m3", shape, False) == 768 + 32
+
+
+@pytest.mark.parametrize(
+    "precision, copies",
+    [
+        # the digits MLP: fc1 (64 -> 256) and fc2 (256 -> 256) quantized, batch 16; x1 16x64, W1 256x64,
+        # x2 16x256, W2 256x256, each elements + an E8M0 scale per 32 values
+        ("mxfp8", (1024 + 32) + (16384 + 512) + (4096 + 128) + (65536 + 2048)),
+        # 4-bit elements, an E4M3 scale per 16 values (weights: per 16x16 tile), an fp32 tensor scale each
+        ("nvfp4", (512 + 64 + 4) + (8192 + 64 + 4) + (2048 + 256 + 4) + (32768 + 256 + 4)),
+    ],
+)
+def test_the_estimate_counts_the_forward_copies_in_their_formats_bits(precision, copies):
+    """backward_source=forward adds the forward's copies of each quantized layer's x and W, in the
+    format's bits. Here nothing is dropped: fc1's x is the batch (not an activation) and fc2's the
+    ReLU's output, which the ReLU keeps for its own backward."""
+    sizes = {}
+    for source in ("high", "forward"):
+        c, _ = build_from(f"precision={precision}", f"precision.recipe.backward_source={source}")
+        sizes[source] = activation_bytes(c.model, c.stepper.policy, batch(16), c.stepper.task)
+    assert sizes["forward"] - sizes["high"] == copies
 
 
 @pytest.mark.parametrize(
