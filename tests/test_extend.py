@@ -144,7 +144,7 @@ SWITCH_FIELD = (
     '    weight_2d: Annotated[bool, Spec(doc="square weight blocks (nvfp4 16x16, fp8_block 128x128)")] = False\n',
     '    fp32_dgrad: Annotated[bool, Spec(doc="the input-gradient GEMM on fp32 operands")] = False\n',
 )
-SWITCH_BEHAVIOUR = """            dx = gemm(dyq, wq).to(flat.dtype).reshape(ctx.shape)
+SWITCH_BEHAVIOUR = """            dx = gemm(dyq, wq).to(ctx.x_dtype).reshape(ctx.shape)
 """
 SWITCH_YAML = "  scale_rule: floor "
 
@@ -160,7 +160,7 @@ def test_a_recipe_switch_is_a_field_and_a_yaml_line(fork):
     quantized = fork / "src" / "halfprec" / "numerics" / "quantized.py"
     add_after(quantized, SWITCH_FIELD[0], SWITCH_FIELD[1])
     high = "            if layer.recipe.fp32_dgrad:\n"
-    high += "                dx = (dy.float() @ weight.float()).to(flat.dtype).reshape(ctx.shape)\n"
+    high += "                dx = (dy.float() @ weight.float()).to(ctx.x_dtype).reshape(ctx.shape)\n"
     high += "            else:\n" + "".join("    " + line + "\n" for line in SWITCH_BEHAVIOUR.splitlines())
     source = quantized.read_text()
     assert source.count(SWITCH_BEHAVIOUR) == 1, "QuantizedMatmul.backward's dx moved: update this test's anchor"

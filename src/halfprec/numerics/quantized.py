@@ -15,13 +15,16 @@ tensor (NVFP4's, fp8 tensorwise), per row (fp8 rowwise) or per 128-long chunk of
 (fp8_block) (`Operand`, `gemm`). bf16 holds every such value: bf16 operands on a GPU and on a CPU
 with bf16 units (`product`), fp32 ones elsewhere. The output comes back in the autocast dtype (or
 the input's). Operands are quantized from the values they hold: the fp32
-weight, the input as the layer before gave it.
+weight, the input as the layer before gave it; or, with `precision.recipe.backward_source=forward`, the
+backward's x and W re-quantized from the forward's quantized copies, as kernels that keep only
+those (`QuantizedMatmul`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, NamedTuple, get_type_hints
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfprec.machine import cpu_flags, native_bf16
-from halfprec.numerics.formats import FORMATS, quantize
+from halfprec.numerics.formats import FORMATS, SCALE_BITS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
 from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
@@ -44,6 +47,11 @@ SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
 GEMM_DOC = "the {}: null = the layer's format; high = unquantized; or a format for both its operands"
+BACKWARD_SOURCE_DOC = (
+    "what the backward GEMMs quantize x and W from: high = the high-precision tensors; forward = the forward's "
+    "quantized copies, dequantized (kernels that save only those: double quantization)"
+)
+KEPT = "kept_bytes"  # the attribute by which a saved forward copy says what a kernel would hold of it
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class Recipe:
     forward: Annotated[str | None, Spec(doc=GEMM_DOC.format("forward GEMM, y = x W^T"))] = None
     dgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("input-gradient GEMM, dx = dy W"))] = None
     wgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("weight-gradient GEMM, dW = dy^T x"))] = None
+    backward_source: Annotated[Literal["high", "forward"], Spec(doc=BACKWARD_SOURCE_DOC)] = "high"
 
     def for_format(self, fmt: str) -> Recipe:
         """The recipe a layer in `fmt` follows: square weight blocks only where the format has them,
@@ -137,26 +146,68 @@ class QuantizedLinear(nn.Linear):
         return name
 
     def quantize(self, t: torch.Tensor, operand: str, axis: int, gemm: str, high: torch.dtype,
-                 generator: torch.Generator | None = None, record: bool = False) -> Operand:  # fmt: skip
+                 generator: torch.Generator | None = None, record: bool = False,
+                 split: bool = True) -> Operand:  # fmt: skip
         """`t` (an `operand` of OPERANDS) as `gemm` takes it: blocked along `axis` in its format, in
-        fp32, its outer scale split off for the GEMM's output (Format.factor), or, where the GEMM is
-        high, rounded to `high` (the run's compute dtype) as an unquantized layer's GEMM takes it;
-        `record`: add its statistics to `stats` when they are kept."""
+        fp32, its outer scale split off for the GEMM's output (Format.factor) unless not `split`, or,
+        where the GEMM is high, rounded to `high` (the run's compute dtype) as an unquantized layer's
+        GEMM takes it; `record`: add its statistics to `stats` when they are kept."""
         name = self.operand_format(gemm, operand)
         if name == HIGH:
             return Operand(t.to(high).float(), None, high == torch.bfloat16)
         fmt = FORMATS[name]
         rule = self.recipe.scale_rule if fmt.scale == "e8m0" else "floor"
-        tile = self.recipe.weight_2d and operand == "weight" and fmt.tile is not None
         rounding = "nearest" if generator is None else "stochastic"
         counting = record and self.stats is not None
         if counting:  # the statistics compare in fp32; the quantizer reads a bf16 operand as it is
             t = t.float()
-        q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=True)
+        tile = self.tiled(name, operand)
+        q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=split)
         if counting:
             self.record(operand, t, q.values if q.factor is None else q.values * q.factor, q.saturated)
         block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
         return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
+
+    def tiled(self, name: str, operand: str) -> bool:
+        """Whether `operand` takes square blocks in format `name` (the recipe's weight_2d)."""
+        return self.recipe.weight_2d and operand == "weight" and FORMATS[name].tile is not None
+
+    def saved_operands(self, x: torch.Tensor, xq: Operand, w: torch.Tensor, wq: Operand,
+                       high: torch.dtype) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """What the backward GEMMs quantize x and W from (the recipe's backward_source): the tensors
+        as they came, or the forward's copies (forward_copy). Square weight blocks in one format for
+        the forward and dgrad make W's forward copy its backward one too: no re-quantization (the
+        fp32 weight quantized again gives it). Third, x as it came where the statistics need the
+        exact dW (record_noise), else None."""
+        if self.recipe.backward_source == "high":
+            return x, w, None
+        name = self.operand_format("forward", "weight")
+        shared = name != HIGH and name == self.operand_format("dgrad", "weight") and self.tiled(name, "weight")
+        if shared:
+            w = w.detach()
+            setattr(w, KEPT, held_bytes(name, w.shape, True))  # the kernel keeps the forward copy
+        else:
+            w = self.forward_copy(w, wq, "weight", high)
+        exact = x if self.stats is not None and self.gemms["wgrad"] != HIGH else None
+        return self.forward_copy(x, xq, "input", high), w, exact
+
+    def forward_copy(self, t: torch.Tensor, q: Operand, operand: str, high: torch.dtype) -> torch.Tensor:
+        """What a kernel that keeps only the forward's copy of `operand` (`t`, quantized to `q` along
+        `in`) hands the backward: its values dequantized in fp32 (elements times scales; NVFP4's element
+        times the fp32 product of its two scales, as TransformerEngine dequantizes: fake_quantize's
+        values), or `t` rounded to `high` where the forward GEMM is high; tagged (KEPT) with the bytes
+        that kernel holds of it, for the memory estimate."""
+        name = self.operand_format("forward", operand)
+        if name == HIGH:
+            copy, held = q.values.detach(), t.numel() * high.itemsize
+        else:
+            if FORMATS[name].scale == "nvfp4":  # split values times the tensor scale round otherwise
+                copy = self.quantize(t, operand, -1, "forward", high, split=False).values
+            else:
+                copy = q.values if q.factor is None else q.values * q.factor
+            held = held_bytes(name, t.shape, self.tiled(name, operand))
+        setattr(copy, KEPT, held)
+        return copy
 
     @torch.no_grad()
     def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
@@ -200,6 +251,28 @@ class QuantizedLinear(nn.Linear):
         return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
 
 
+def held_bytes(name: str, shape: torch.Size, tile: bool) -> int:
+    """The bytes a kernel holds of a tensor of `shape` in format `name`, blocked along its last axis or
+    in square tiles: the elements at their bits, packed; the scales: one per block (E8M0 or E4M3: a
+    byte; fp8_block's fp32), per row or per tensor (fp32), and NVFP4's fp32 tensor scale."""
+    fmt = FORMATS[name]
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    if tile and fmt.tile is not None:
+        scales = math.ceil(rows / fmt.tile) * math.ceil(cols / fmt.tile)
+    elif isinstance(fmt.block, int):
+        scales = rows * math.ceil(cols / fmt.block)
+    else:
+        scales = rows if fmt.block == "row" else 1
+    tensor_scale = 4 if fmt.scale == "nvfp4" else 0
+    return math.ceil(rows * cols * fmt.element.bits / 8) + math.ceil(scales * SCALE_BITS[fmt.scale] / 8) + tensor_scale
+
+
+def kept_bytes(t: torch.Tensor) -> int | None:
+    """The bytes a kernel holds of `t` where `t` is a forward copy saved for the backward
+    (QuantizedLinear.forward_copy), else None."""
+    return getattr(t, KEPT, None)
+
+
 @torch.no_grad()
 def quant_sums(t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:
     """The quantization statistics of `t` (fp32) quantized to `q`, as 6 fp32 sums on its device, to be
@@ -232,18 +305,20 @@ class QuantizedMatmul(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         with torch.autocast(device, enabled=False):  # the product of the quantized values, in fp32
             xq = layer.quantize(flat, "input", -1, "forward", out_dtype, record=True)
-            y = gemm(xq, layer.quantize(weight, "weight", -1, "forward", out_dtype, record=True).t())
+            wq = layer.quantize(weight, "weight", -1, "forward", out_dtype, record=True)
+            y = gemm(xq, wq.t())
             if bias is not None:
                 y = y + bias.float()
-        # the operands as they came: the backward GEMMs block them along other axes
-        ctx.save_for_backward(flat, weight)
+            # the backward GEMMs block them along other axes: the operands as they came, or the forward's copies
+            ctx.save_for_backward(*layer.saved_operands(flat, xq, weight, wq, out_dtype))
         ctx.layer, ctx.shape, ctx.bias_dtype = layer, x.shape, None if bias is None else bias.dtype
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.high = out_dtype  # what a high GEMM's operands are rounded to
         return y.to(out_dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        flat, weight = ctx.saved_tensors
+        flat, weight, exact = ctx.saved_tensors  # exact: x as it came, where flat is the forward's copy
         layer: QuantizedLinear = ctx.layer
         dy = grad.reshape(-1, grad.shape[-1])  # as it came: the quantizer reads it in its dtype
         gen = layer.generator(dy.device)
@@ -253,14 +328,14 @@ class QuantizedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dyq = layer.quantize(dy, "grad_output", -1, "dgrad", ctx.high, gen, record=True)
             wq = layer.quantize(weight, "weight", 0, "dgrad", ctx.high, record=forward_high)
-            dx = gemm(dyq, wq).to(flat.dtype).reshape(ctx.shape)
+            dx = gemm(dyq, wq).to(ctx.x_dtype).reshape(ctx.shape)
             recorded_dy = layer.gemms["dgrad"] != HIGH
         if ctx.needs_input_grad[1]:
             g, x = layer.weight_grad_operands(dy, flat)
             dyq = layer.quantize(g, "grad_output", 0, "wgrad", ctx.high, gen, record=not recorded_dy)
             dw = gemm(dyq.t(), layer.quantize(x, "input", 0, "wgrad", ctx.high, record=forward_high))
-            layer.record_noise(dw, dy, flat)
-            dw = dw.to(weight.dtype)
+            layer.record_noise(dw, dy, flat if exact is None else exact)
+            dw = dw.to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # no GEMM: a sum, in fp32 as in a fused kernel
         return dx, dw, db, None

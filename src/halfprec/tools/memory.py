@@ -21,6 +21,7 @@ from halfprec.components.tasks.classification import Classification
 from halfprec.numerics.optimizers import LowPrecisionState
 from halfprec.numerics.params import ParamStrategy, nbytes
 from halfprec.numerics.policy import PrecisionPolicy
+from halfprec.numerics.quantized import kept_bytes
 from halfprec.training.distributed import is_sharded
 
 if TYPE_CHECKING:  # train.py imports Hydra; this module needs only the components it is given
@@ -261,14 +262,19 @@ def activation_bytes(
     model: nn.Module, policy: PrecisionPolicy, batch: tuple[torch.Tensor, torch.Tensor], task: Task | None = None
 ) -> int:
     """Bytes of the distinct storages autograd saves in one training forward of `batch` (model in
-    train mode, the task's loss included: classification's by default), other than the parameters' and the batch's."""
+    train mode, the task's loss included: classification's by default), other than the parameters' and the batch's.
+    A quantized layer's forward copies (precision.recipe.backward_source=forward) count as a kernel holds
+    them, in their format's bits (elements and scales), not as the fp32 tensors the emulation keeps."""
     x, y = batch
     known = {_storage_key(t) for t in [*model.parameters(), x, y]}
     saved: dict[tuple[int, int], int] = {}
+    copies: dict[tuple[int, int], int] = {}  # the forward copies, by storage: what a kernel holds
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        if key not in known and t.device == x.device:
+        key, held = _storage_key(t), kept_bytes(t)
+        if held is not None and t.device == x.device:
+            copies[key] = held
+        elif key not in known and t.device == x.device:
             saved[key] = key[1]
         return t  # the graph holds it until the end of the count, so no storage is reused meanwhile
 
@@ -288,7 +294,7 @@ def activation_bytes(
         with torch.no_grad():
             for b, kept in zip(model.buffers(), buffers):
                 b.copy_(kept)
-    return sum(saved.values())
+    return sum(n for key, n in saved.items() if key not in copies) + sum(copies.values())
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

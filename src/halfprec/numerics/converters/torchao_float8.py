@@ -41,6 +41,7 @@ class TorchaoFloat8Converter(Converter):
                 f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
             )  # fmt: skip
         switches = [f"recipe.{k}" for k in LACKS if getattr(p.recipe, k)] + ["schedule"] * bool(p.schedule)
+        switches += ["recipe.backward_source=forward"] * (p.recipe.backward_source != "high")  # it keeps x and W
         others = [r.format for r in p.rules if r.format not in (HIGH, p.format)]
         if switches or others:
             what = f"precision.{switches[0]}" if switches else f"a rule's format {others[0]}"
