@@ -50,6 +50,12 @@ def check_precision(p: DictConfig, distributed: str) -> None:
             "trainer=fsdp keeps fp32 weight shards (the master weights) and computes in precision.autocast's "
             "dtype through its MixedPrecisionPolicy: use precision=bf16 or fp16 instead of a pure mode",
         )
+    if distributed == "fsdp" and p.get("eval"):
+        raise ConfigError(
+            "precision.eval", list(p["eval"]), "is not supported with trainer=fsdp (FSDP2 gathers the weights into the "
+            "modules it wrapped, which the evaluation swaps): use trainer=ddp or one process, or halfprec evaluate "
+            "on the run's checkpoint",
+        )  # fmt: skip
     if distributed != "fsdp" and p.reduce_dtype != "float32":
         raise ConfigError(
             "precision.reduce_dtype",
@@ -115,8 +121,19 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
     for i, phase in enumerate(p.schedule):
         if phase.format not in (HIGH, *formats):
             raise ConfigError(f"precision.schedule[{i}].format", phase.format, f"a format ({names}) or high")
+    check_eval(p["eval"], formats)
     precision = precision_of(cast(dict, OmegaConf.to_container(p, resolve=True)))  # a mapping: check_node
     CONVERTERS[precision.kernel].check_config(precision)
+
+
+def check_eval(entries: Any, formats: dict[str, Any]) -> None:
+    """precision.eval: high or format names, each once (a key per entry). Every kernel takes them: the
+    evaluation's layers are emulated (numerics/evaluation.py), on native float8 layers' weights too."""
+    for entry in entries:
+        if entry not in (HIGH, *formats) or list(entries).count(entry) > 1:
+            again = " once each" if entry in (HIGH, *formats) else ""
+            raise ConfigError("precision.eval", entry, f"a list of high and formats{again}, e.g. [high, mxfp4, "
+                              f"nvfp4] (the formats: {', '.join(formats)})")  # fmt: skip
 
 
 def check_scaler(s: DictConfig) -> None:

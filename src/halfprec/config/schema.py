@@ -64,6 +64,8 @@ class Precision:
         Literal["auto", "eager", "compiled"],
         Spec(doc="emulated layers' quantizers; auto: compiled on a GPU, and on a CPU from 1000 steps"),
     ]
+    # validation in other precisions too (numerics/evaluation.py); the names: config/rules.py check_formats
+    eval: Annotated[list[str], Spec(doc="[] or entries high | <format>: val/<metric>@<entry> beside val/*")]
 
 
 @dataclass

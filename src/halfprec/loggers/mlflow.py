@@ -17,6 +17,12 @@ from halfprec.spec import Spec, flat_keys
 END_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "interrupted": "KILLED"}
 
 
+def metric_key(key: str) -> str:
+    """A row's key as MLflow takes it: its names allow no @, so precision.eval's val/loss@mxfp4 is
+    val/loss:mxfp4 there."""
+    return key.replace("@", ":")
+
+
 @register_logger("mlflow", "MLflow", package="mlflow", install="pip install mlflow")
 class MlflowSink:
     """Every numeric value of a row as a metric at its step, the flattened config as params, the
@@ -61,9 +67,9 @@ class MlflowSink:
 
         step, now = row["step"], int(time.time() * 1000)
         metrics = [
-            Metric(key, float(value), now, step)
+            Metric(metric_key(key), float(value), now, step)
             for key, value in row.items()
-            if key != "step" and isinstance(value, bool | int | float) and step > self.logged.get(key, -1)
+            if key != "step" and isinstance(value, bool | int | float) and step > self.logged.get(metric_key(key), -1)
         ]
         if metrics:  # in MLflow's own thread: a SQLite write per row would hold the step up
             self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
@@ -79,7 +85,7 @@ class MlflowSink:
         from mlflow.entities import RunTag
 
         self._wait()
-        tags = [RunTag(f"summary.{k}", str(v)) for k, v in summary.items()]
+        tags = [RunTag(f"summary.{metric_key(k)}", str(v)) for k, v in summary.items()]
         self.client.log_batch(self.run_id, tags=tags)
         self.client.set_terminated(self.run_id, END_STATUS.get(summary.get("status", ""), "FAILED"))
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from halfprec.errors import PrecisionMismatch
 from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
+from halfprec.numerics.evaluation import EvalPrecision, eval_note, eval_precisions
 from halfprec.numerics.layers import plan_precision, recipe_reach
 from halfprec.numerics.quantized import gemm_label
 from halfprec.numerics.schedule import PrecisionSchedule, build_schedule
@@ -42,6 +43,7 @@ class PrecisionPolicy:
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its formats (gemm_label) or high
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
     schedule: PrecisionSchedule | None = None  # precision.schedule's phases over the swapped layers
+    evals: list[EvalPrecision] = field(default_factory=list)  # precision.eval planned on the model
 
     @classmethod
     def from_config(cls, p: PrecisionSettings, device_type: str, steps: int | None = None) -> PrecisionPolicy:
@@ -126,6 +128,14 @@ class PrecisionPolicy:
         if self.schedule is not None:
             self.enter_phase(model, 0)
         return converted
+
+    def plan_evaluations(self, model: nn.Module) -> None:
+        """precision.eval's entries planned on the model as built (numerics/evaluation.py), so that an
+        entry that quantizes nothing says so before the first step."""
+        p = self.config
+        if p.eval:
+            self.evals = eval_precisions(model, p.eval, p.recipe, p.rules, p.high_first, p.high_last)
+            self.notes.append(eval_note(self.evals))
 
     def enter_phase(self, model: nn.Module, phase: int) -> None:
         """The schedule's formats once `phase` phases have begun, in the layers and in the plan the

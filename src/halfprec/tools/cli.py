@@ -1,4 +1,5 @@
-"""The `halfprec` console script: `halfprec report PATH`, `halfprec sensitivity RUN_DIR`.
+"""The `halfprec` console script: `halfprec report PATH`, `halfprec sensitivity RUN_DIR`,
+`halfprec evaluate RUN_DIR`.
 
 Kept light so that `halfprec --help` answers at once: each command imports what it needs
 (matplotlib, wandb) when it runs.
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(handler=run_report)
     add_sensitivity(commands)
+    add_evaluate(commands)
     return parser
 
 
@@ -85,6 +87,35 @@ def run_sensitivity(args: argparse.Namespace) -> int:
     except SensitivityError as err:
         print(f"halfprec sensitivity: error: {err}", file=sys.stderr)
         return 2
+
+
+def add_evaluate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "evaluate",
+        help="a trained run's validation metrics in high precision and in number formats (post-training quantization)",
+        description="Rebuild a run's model from its last checkpoint and evaluate the whole validation split in each "
+        "precision of --eval: high (every Linear layer unquantized, in the run's autocast or parameter dtype) or a "
+        "format (post-training quantization of the weights and activations of the Linear layers the run's plan "
+        "would quantize: precision.rules, high_first and high_last apply, the output head stays high; the forward "
+        "GEMM emulated, rounded to nearest), as precision.eval does at each validation of a run. Prints a table and "
+        "writes evaluate.json and evaluate.csv.",
+    )
+    parser.add_argument("path", type=Path, metavar="RUN_DIR", help="a run dir (its newest checkpoint) or a step-*.pt")
+    parser.add_argument("--eval", metavar="LIST", help="comma-separated: high and formats, e.g. high,mxfp4,nvfp4 "
+                        "(default: the run's precision.eval, else high, the run's format, mxfp8, mxfp4, "
+                        "nvfp4)")  # fmt: skip
+    parser.add_argument("--rules", metavar="RULES", help="which layers the formats reach, instead of the run's "
+                        "precision.rules: GLOB=FORMAT pairs, comma-separated, first match wins (a format or high, "
+                        "e.g. 'blocks.0.*=high'), or none")  # fmt: skip
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: the run's trainer.device")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="where to write the files (default: the run dir)")
+    parser.set_defaults(handler=run_evaluate)
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from halfprec.tools.evaluate import run_evaluate
+
+    return run_evaluate(args)
 
 
 def main(argv: list[str] | None = None) -> int:

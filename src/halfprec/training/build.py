@@ -150,6 +150,7 @@ def build(cfg: Config | DictConfig, world: World | None = None, device: torch.de
     policy.apply_backend_flags()
     policy.prepare_model(model)
     policy.quantize_layers(model, cfg.seed, world.rank)
+    policy.plan_evaluations(model)
     if use_channels_last(cfg.trainer.channels_last, model, device):
         model.to(memory_format=torch.channels_last)  # convs then pick NHWC kernels (faster with AMP on GPUs)
     # same seed, so the same weights on every rank (DDP also broadcasts rank 0's); FSDP shards

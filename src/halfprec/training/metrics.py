@@ -13,6 +13,7 @@ from halfprec.components.data import Dataset
 from halfprec.components.data.batches import num_samples
 from halfprec.components.tasks import Task
 from halfprec.config import Config
+from halfprec.numerics.evaluation import EvalPrecision, eval_key, layers_in, rng_kept
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.training import distributed
 from halfprec.training.build import Components
@@ -105,8 +106,13 @@ class Validator:
         return bool(self.every and step % self.every == 0) or step == self.max_steps
 
     def run(self) -> dict:
-        c = self.c
-        return evaluate(c.model, c.data, c.stepper.task, c.stepper.policy, self.batch_size, c.device, c.world)
+        """val/* in the training precision, then val/*@<entry> for each of precision.eval."""
+        c, policy = self.c, self.c.stepper.policy
+        metrics = evaluate(c.model, c.data, c.stepper.task, policy, self.batch_size, c.device, c.world)
+        for precision in policy.evals:
+            metrics |= evaluate_in(precision, c.model, c.data, c.stepper.task, policy, self.batch_size, c.device,
+                                   c.world)  # fmt: skip
+        return metrics
 
 
 @torch.no_grad()
@@ -134,3 +140,22 @@ def evaluate(
     return evaluator.metrics(
         (distributed.sum_over_ranks(sums) if world.size > 1 else sums).tolist(), num_samples(data.val)
     )
+
+
+def evaluate_in(
+    precision: EvalPrecision,
+    model: nn.Module,
+    data: Dataset,
+    task: Task,
+    policy: PrecisionPolicy,
+    batch_size: int,
+    device: torch.device,
+    world: World | None = None,
+) -> dict:
+    """evaluate() with the model's Linear layers as `precision` computes them (numerics/evaluation.py),
+    its keys val/<metric>@<entry>; the model's modules and the random number generators as they were
+    after it, so that evaluating changes nothing the training computes. Eager, on `model` itself: a
+    compiled copy of the model is not called (nor recompiled)."""
+    with rng_kept(device), layers_in(model, precision):
+        metrics = evaluate(model, data, task, policy, batch_size, device, world)
+    return {eval_key(k, precision.entry): v for k, v in metrics.items()}

@@ -253,7 +253,12 @@ def check_finite(final: dict, step: int) -> None:
 
 
 def done_line(summary: dict, steps: int, scaler: LossScaler, run_dir: Path) -> str:
-    shown = [f"{k} {fmt(v)}" for k, v in summary.items() if k.startswith("val/") and k != "val/loss"]
+    # the training precision's val/* but val/loss; of each of precision.eval, its val/loss
+    shown = [
+        f"{k} {fmt(v)}"
+        for k, v in summary.items()
+        if k.startswith("val/") and k != "val/loss" and ("@" not in k or k.startswith("val/loss@"))
+    ]
     return (
         f"done: {steps} steps in {summary['wall_s']:.1f}s | train/loss {fmt(summary['train/loss'])} | "
         f"{' | '.join(shown)} | skipped {scaler.skipped_steps} | scale {scaler.scale:g} "

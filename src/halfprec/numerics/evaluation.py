@@ -1,0 +1,127 @@
+"""Evaluation precision (precision.eval; docs/guide/precision.md, "Evaluation precision"): the
+validation metrics of a model in precisions other than the one it trains in, side by side.
+
+An entry is `high` (every Linear layer unquantized, in the run's autocast or parameter dtype) or a
+format of numerics/formats: post-training quantization of the weights and activations of the
+Linear layers the run's plan would quantize (precision.rules, high_first and high_last apply; a
+rule's format only says that a layer is quantized: every quantized layer takes the entry's format;
+the output head stays high), their forward GEMM as QuantizedLinear computes it, rounded to nearest.
+
+`layers_in` swaps the layers for the evaluation, sharing their Parameters, and puts the very
+modules it found back after it: the training's layers, their counters and statistics are not
+touched, and the new layers are built on the meta device, so no random number is drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from halfprec.errors import ConfigError
+from halfprec.numerics.converters import layer_format
+from halfprec.numerics.layers import linear_layers, plan_layers
+from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.settings import HIGH, RuleSettings
+
+
+def eval_key(metric: str, entry: str) -> str:
+    """The key of a validation metric in an evaluation precision: val/loss@mxfp4."""
+    return f"{metric}@{entry}"
+
+
+@dataclass(frozen=True)
+class EvalPrecision:
+    """One entry of precision.eval as it applies to a model: each Linear layer's format or high."""
+
+    entry: str
+    plan: dict[str, str]
+    recipe: Recipe  # what the quantized layers' forward reads of it: scale_rule, weight_2d
+
+    @property
+    def quantized(self) -> int:
+        return sum(f != HIGH for f in self.plan.values())
+
+
+def eval_plan(model: nn.Module, entry: str, rules: Sequence[RuleSettings], high_first: int = 0,
+              high_last: int = 0) -> dict[str, str]:  # fmt: skip
+    """Each Linear layer's format in the evaluation `entry` (the module docstring); a ConfigError
+    naming precision.eval for a format that quantizes no layer of this model."""
+    linears = linear_layers(model)
+    if entry == HIGH:
+        return dict.fromkeys(linears, HIGH)
+    plan = plan_layers(model, entry, rules, high_first, high_last)
+    plan = {name: HIGH if f == HIGH else entry for name, f in plan.items()}
+    if all(f == HIGH for f in plan.values()):
+        raise ConfigError(
+            "precision.eval", entry, f"quantizes no Linear layer of {type(model).__name__} (the output head, "
+            "precision.rules sending layers high, high_first/high_last keep them all high): use high, or keep "
+            "fewer high",
+        )  # fmt: skip
+    return plan
+
+
+def eval_recipe(recipe: Recipe, entry: str) -> Recipe:
+    """The recipe of the evaluation's layers in `entry`: the switches a forward GEMM reads, the run's
+    (scale_rule, weight_2d where the format has square blocks), the forward in the entry's format."""
+    if entry == HIGH:
+        return Recipe()
+    return Recipe(scale_rule=recipe.scale_rule, weight_2d=recipe.weight_2d).for_format(entry)
+
+
+def eval_precisions(model: nn.Module, entries: Sequence[str], recipe: Recipe, rules: Sequence[RuleSettings],
+                    high_first: int = 0, high_last: int = 0) -> list[EvalPrecision]:  # fmt: skip
+    """precision.eval's entries planned on `model` (its layers as the run computes them)."""
+    return [
+        EvalPrecision(e, eval_plan(model, e, rules, high_first, high_last), eval_recipe(recipe, e)) for e in entries
+    ]
+
+
+def eval_note(precisions: Sequence[EvalPrecision]) -> str:
+    """The start line saying what each validation adds."""
+    shown = ", ".join(p.entry if p.entry == HIGH else f"{p.entry} ({p.quantized} Linear layers)" for p in precisions)
+    return f"eval: each validation also in {shown}: val/<metric>@<precision>"
+
+
+def eval_layer(module: nn.Module, fmt: str, recipe: Recipe) -> nn.Module:
+    """`module` (a Linear layer, plain or quantized) as the evaluation computes it in `fmt`, sharing its
+    Parameters: high is a plain nn.Linear (or the module itself, if it is not quantized); a format is
+    a QuantizedLinear. Built on the meta device: no memory, no random draws for an init."""
+    assert isinstance(module, nn.Linear)
+    if fmt == HIGH and layer_format(module) == HIGH:
+        return module
+    w = module.weight
+    if fmt == HIGH:
+        layer = nn.Linear(module.in_features, module.out_features, False, "meta", w.dtype)
+    else:
+        layer = QuantizedLinear(module.in_features, module.out_features, False, fmt, recipe, 0, "meta", w.dtype)
+    layer.weight, layer.bias = module.weight, module.bias
+    return layer
+
+
+@contextlib.contextmanager
+def layers_in(model: nn.Module, precision: EvalPrecision) -> Iterator[None]:
+    """Inside: the model's Linear layers as `precision` computes them; after: the modules that were
+    there, the very objects (a compiled model's guards see the same modules)."""
+    originals = {name: model.get_submodule(name) for name in precision.plan}
+    try:
+        for name, fmt in precision.plan.items():
+            model.set_submodule(name, eval_layer(originals[name], fmt, precision.recipe))
+        yield
+    finally:
+        for name, module in originals.items():
+            model.set_submodule(name, module)
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device) -> Iterator[None]:
+    """The random number generators of the CPU and of `device` as they were, after the block (a
+    DataLoader draws a seed from torch's generator for each pass over the validation split)."""
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        yield
