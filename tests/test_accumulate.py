@@ -23,9 +23,10 @@ def fp8(shape, element, g):
 
 
 def cancelling(a, b):
-    """b's first column a's first row (squares: no cancellation), its second minus the second row:
-    the sum cancels exactly, and only the alignment's truncation is left."""
-    b[:, 0], b[:, 1] = a[0], -a[1]
+    """b's first column a's first row (a sum of squares: the largest products); a's second row and b's
+    second column in pairs (x, x) and (y, -y): the sum cancels exactly to zero."""
+    b[:, 0] = a[0]
+    a[1, 1::2], b[1::2, 1] = a[1, ::2], -b[::2, 1]
     return a, b
 
 
@@ -121,3 +122,60 @@ def test_ragged_k_pads_with_zeros():
     a, b = fp8((M, 100), "e4m3", g), fp8((100, N), "e4m3", g)
     padded = acc.matmul(torch.nn.functional.pad(a, (0, 28)), torch.nn.functional.pad(b, (0, 0, 0, 28)), acc.WGMMA_FP8)
     assert torch.equal(acc.matmul(a, b, acc.WGMMA_FP8), padded)
+
+
+# --- precision.accumulate: the quantized layers' GEMMs summed as a preset's GPU sums them
+
+from halfprec.errors import ConfigError  # noqa: E402
+from halfprec.numerics.quantized import Operand, QuantizedLinear, Recipe, gemm  # noqa: E402
+
+GPT = ("task=lm", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
+       "data.batch_size=2", "trainer.max_steps=2", "trainer.val_every=0", "precision.autocast=null",
+       "precision.kernel=emulated")  # fmt: skip
+
+
+def test_promotion_keeps_the_error_of_a_long_k_below_hoppers():
+    """DeepSeek-V3's finding: FP8 wgmma sums lose accuracy as K grows; promoting every 128 restores it."""
+    g = torch.Generator().manual_seed(0)
+    a = fp8((4, 4096), "e4m3", g).abs()  # positive: a growing sum, whose small products lose their bits
+    b = fp8((4096, 4), "e4m3", g).abs()
+    exact = a.double() @ b.double()
+
+    def error(name):
+        got = gemm(Operand(a, None, True, element="e4m3"), Operand(b, None, True, element="e4m3"), acc.PRESETS[name])
+        return ((got.double() - exact).norm() / exact.norm()).item()
+
+    assert error("hopper_promoted") < error("hopper") / 10
+    assert error("exact") < error("hopper_promoted")
+
+
+def test_exact_is_todays_gemm():
+    g = torch.Generator().manual_seed(1)
+    a, b = Operand(fp8((8, 64), "e4m3", g), torch.tensor(0.5), True), Operand(fp8((64, 8), "e4m3", g), None, True)
+    assert torch.equal(gemm(a, b, acc.PRESETS["exact"]), gemm(a, b))
+
+
+def test_a_gemm_without_an_instruction_is_one_config_error_at_build():
+    with pytest.raises(ConfigError, match=r"^precision.accumulate=hopper: .*no MMA instruction.* fp8, bf16"):
+        QuantizedLinear(64, 64, False, "mxfp4", Recipe(), 0, accumulate="hopper")
+    with pytest.raises(ConfigError, match=r"^precision.recipe.wgrad_accumulate=volta: an accumulation preset"):
+        QuantizedLinear(64, 64, False, "fp8_e4m3", Recipe(wgrad_accumulate="volta"), 0)
+
+
+def test_recipe_chooses_per_gemm():
+    """TransformerEngine on Hopper: the forward's sums unpromoted, the backward's promoted."""
+    recipe = Recipe(dgrad_accumulate="hopper_promoted", wgrad_accumulate="hopper_promoted")
+    layer = QuantizedLinear(64, 64, False, "fp8_e4m3", recipe, 0, accumulate="hopper")
+    assert {g: a.name for g, a in layer.accumulate.items()} == {
+        "forward": "hopper", "dgrad": "hopper_promoted", "wgrad": "hopper_promoted"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_train_with_hopper_accumulation_logs_another_loss(cli):
+    """The CLI as a user runs it: FP8 rowwise, summed as an H100 does, trains and logs; its loss is not
+    the exact sums' (the same seed, the same data)."""
+    exact, hopper = (cli.submit(*GPT, "precision=fp8_row", f"precision.accumulate={a}") for a in ("exact", "hopper"))
+    rows = {name: run.result().check().metrics() for name, run in (("exact", exact), ("hopper", hopper))}
+    losses = {name: [r["train/loss"] for r in rs if "train/loss" in r] for name, rs in rows.items()}
+    assert len(losses["hopper"]) == 2 and all(torch.isfinite(torch.tensor(losses["hopper"])))
+    assert losses["hopper"] != losses["exact"]

@@ -64,6 +64,10 @@ class Precision:
         Literal["auto", "eager", "compiled"],
         Spec(doc="emulated layers' quantizers; auto: compiled on a GPU, and on a CPU from 1000 steps"),
     ]
+    # how the quantized layers' GEMMs sum (numerics/accumulate.py's presets; checked with the registry)
+    accumulate: Annotated[
+        str, Spec(doc="the tensor cores' sums modelled: exact | hopper | hopper_promoted | ampere | ada | blackwell")
+    ] = "exact"
 
 
 @dataclass

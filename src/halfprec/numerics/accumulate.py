@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from halfprec.errors import ConfigError
+
 EXACT = "exact"
 # the kinds of GEMM an instruction is chosen for: fp8 elements (their scales applied to the output
 # or at promotion), bf16 values, MX elements of 6-8 bits with E8M0 block scales, 4-bit elements
@@ -96,6 +98,27 @@ PRESETS = {
 }
 
 
+def preset(name: str, key: str) -> Accumulation:
+    """The preset `name`, or a one-line ConfigError naming `key` (precision.accumulate or a GEMM's)."""
+    if name not in PRESETS:
+        raise ConfigError(key, name, f"an accumulation preset: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def instruction(acc: Accumulation, kind: str | None, gemm: str, key: str) -> Instruction | None:
+    """The instruction that sums a `kind` GEMM under `acc`; None where the sums are exact (the preset
+    exact, or fp32 operands: CUDA cores' FMAs, no tensor core). A one-line ConfigError where the
+    preset's GPU has no such MMA (MXFP4 on Hopper, MXINT8 anywhere)."""
+    if acc.exact or kind == "fp32":
+        return None
+    if kind not in acc.instructions:
+        works = ", ".join(acc.instructions)
+        what = f"a {kind} GEMM" if kind else "an MXINT8 GEMM"
+        fix = f"{acc.name} has no MMA instruction for {what} ({gemm}); it models {works} GEMMs, exact any"
+        raise ConfigError(key, acc.name, fix)
+    return acc.instructions[kind]
+
+
 def exponents(x: torch.Tensor, subnormal: int) -> torch.Tensor:
     """floor(log2|x|) as int32, no lower than `subnormal` (an element's smallest normal exponent,
     where its subnormals sit); a zero gets ZERO_EXPONENT."""
@@ -107,7 +130,7 @@ def exponents(x: torch.Tensor, subnormal: int) -> torch.Tensor:
 def keep(value: torch.Tensor, bits: int) -> torch.Tensor:
     """fp64 `value` truncated toward zero to `bits` fraction bits (fp32's exponent range, its
     subnormals below 2^-126), as fp32; -0 comes back +0."""
-    e = exponents(value, -126).double()
+    e = exponents(value, -126).clamp_(min=-126).double()
     kept = torch.trunc(value * torch.exp2(bits - e)) * torch.exp2(e - bits)
     return kept.float() + 0.0
 
