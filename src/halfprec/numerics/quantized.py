@@ -355,7 +355,8 @@ def modelled(a: Operand, b: Operand, acc: Accumulation) -> torch.Tensor:
         nvfp4 = a.scale_block == 16  # E4M3 scales (subnormal below 2^-6), the others E8M0
         y = accumulate.matmul(elements(a, 1), elements(b, 0), ins, subnormals, acc.promote,
                               (a.scales, b.scales), a.scale_block, -6 if nvfp4 else -127)  # fmt: skip
-        return y if a.factor is None else y * times(a.factor, b.factor)
+        factor = times(a.factor, b.factor)  # NVFP4's tensor scales
+        return y if factor is None else y * factor
     block = a.block or b.block
     if block:  # fp8_block: each 128's partial sum times its two scales, then added in fp32
         m, n = a.values.shape[0], b.values.shape[1]
