@@ -40,6 +40,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "data.dtype": "uint16",  # from before uint32 token files
     "diagnostics.shadow": [],  # from before what-if statistics
     "precision.eval": [],  # from before evaluation precisions: validation in the training precision only
+    "precision.accumulate": "exact",  # from before modelled accumulation: fp32 GEMMs
 }
 # Keys spelled otherwise by older checkpoints: precision.fp8 (torchao's float8 recipe) became a
 # format on precision.kernel=native.

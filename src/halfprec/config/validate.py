@@ -63,6 +63,22 @@ def check_recipe(p: DictConfig) -> None:
     check_node(p.recipe, Recipe, "precision.recipe", "precision.recipe")
 
 
+def check_accumulate(p: DictConfig) -> None:
+    """precision.accumulate and the recipe's per-GEMM choices: presets of numerics/accumulate.py, for
+    the emulated layers (the native kernel sums as its GPU does)."""
+    from halfprec.numerics.accumulate import EXACT, preset
+
+    chosen = {"precision.accumulate": p.accumulate}
+    for g in ("forward", "dgrad", "wgrad"):
+        chosen[f"precision.recipe.{g}_accumulate"] = p.recipe.get(f"{g}_accumulate")
+    for key, name in chosen.items():
+        if name is not None:
+            preset(name, key)
+            if name != EXACT and p.kernel != "emulated":
+                fix = "models the emulated layers' sums: add precision.kernel=emulated (native sums as its GPU does)"
+                raise ConfigError(key, name, fix)
+
+
 def check_quantization(p: DictConfig) -> None:
     """Each of precision.rules: its keys and types (the format names are checked with the registry,
     in validate_components)."""
@@ -124,6 +140,7 @@ def validate_components(cfg: DictConfig) -> None:
     from halfprec.numerics.formats import FORMATS
 
     check_recipe(cfg.precision)
+    check_accumulate(cfg.precision)
     rules.check_formats(cfg.precision, FORMATS)
     rules.check_shadow(cfg.diagnostics, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")

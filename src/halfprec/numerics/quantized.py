@@ -34,7 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfprec.machine import cpu_flags, native_bf16
+from halfprec.numerics import accumulate
+from halfprec.numerics.accumulate import Accumulation
 from halfprec.numerics.formats import FORMATS, SCALE_BITS, quantize
+from halfprec.numerics.formats.elements import ELEMENTS
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
 from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
@@ -52,6 +55,7 @@ BACKWARD_SOURCE_DOC = (
     "quantized copies, dequantized (kernels that save only those: double quantization)"
 )
 KEPT = "kept_bytes"  # the attribute by which a saved forward copy says what a kernel would hold of it
+ACCUMULATE_DOC = "how the {}'s products are summed: a preset of numerics/accumulate.py; null = precision.accumulate"
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,20 @@ class Recipe:
     dgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("input-gradient GEMM, dx = dy W"))] = None
     wgrad: Annotated[str | None, Spec(doc=GEMM_DOC.format("weight-gradient GEMM, dW = dy^T x"))] = None
     backward_source: Annotated[Literal["high", "forward"], Spec(doc=BACKWARD_SOURCE_DOC)] = "high"
+    # how each GEMM's tensor cores sum (numerics/accumulate.py): TE's Hopper recipe is forward hopper,
+    # dgrad and wgrad hopper_promoted
+    forward_accumulate: Annotated[str | None, Spec(doc=ACCUMULATE_DOC.format("forward GEMM"))] = None
+    dgrad_accumulate: Annotated[str | None, Spec(doc=ACCUMULATE_DOC.format("input-gradient GEMM"))] = None
+    wgrad_accumulate: Annotated[str | None, Spec(doc=ACCUMULATE_DOC.format("weight-gradient GEMM"))] = None
 
     def for_format(self, fmt: str) -> Recipe:
         """The recipe a layer in `fmt` follows: square weight blocks only where the format has them,
         so that one recipe serves a plan of several formats."""
         return replace(self, weight_2d=False) if self.weight_2d and FORMATS[fmt].tile is None else self
+
+    def accumulations(self, default: str) -> dict[str, str]:
+        """Each GEMM's accumulation preset: its own, else precision.accumulate (`default`)."""
+        return {g: getattr(self, f"{g}_accumulate") or default for g in GEMMS}
 
     def gemms(self, fmt: str) -> dict[str, str]:
         """What each GEMM of a layer in `fmt` computes in: its format, or high."""
@@ -104,23 +117,27 @@ class QuantizedLinear(nn.Linear):
     statistics to it (diagnostics steps)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, recipe: Recipe, seed: int,
-                 device: Any = None, dtype: torch.dtype | None = None, compiled: bool = False):  # fmt: skip
+                 device: Any = None, dtype: torch.dtype | None = None, compiled: bool = False,
+                 accumulate: str = accumulate.EXACT):  # fmt: skip
         super().__init__(in_features, out_features, bias, device, dtype)
         self.format, self.recipe, self.seed = fmt, recipe, seed
         self.compiled = compiled  # the quantizer through torch.compile (formats.compiled_quantizer)
         # each GEMM's format or high: the recipe's, then what a precision schedule's phase sets
         self.gemms = recipe.gemms(fmt)
+        self.accumulate = accumulations(recipe, accumulate, self.gemms)
         self.backward_passes = 0
         self.stats: dict[str, torch.Tensor] | None = None
         self.hadamard_matrix: torch.Tensor | None = None
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, fmt: str, recipe: Recipe, seed: int, compiled: bool = False
-    ) -> QuantizedLinear:
+        cls, linear: nn.Linear, fmt: str, recipe: Recipe, seed: int, compiled: bool = False,
+        accumulate: str = accumulate.EXACT,
+    ) -> QuantizedLinear:  # fmt: skip
         """The same Parameters (a tied weight stays tied) in a layer that quantizes them."""
         w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, False, fmt, recipe, seed, w.device, w.dtype, compiled)
+        layer = cls(linear.in_features, linear.out_features, False, fmt, recipe, seed, w.device, w.dtype, compiled,
+                    accumulate)  # fmt: skip
         layer.weight, layer.bias = linear.weight, linear.bias
         return layer
 
@@ -154,7 +171,7 @@ class QuantizedLinear(nn.Linear):
         GEMM takes it; `record`: add its statistics to `stats` when they are kept."""
         name = self.operand_format(gemm, operand)
         if name == HIGH:
-            return Operand(t.to(high).float(), None, high == torch.bfloat16)
+            return Operand(t.to(high).float(), None, high == torch.bfloat16, element=str(high).removeprefix("torch."))
         fmt = FORMATS[name]
         rule = self.recipe.scale_rule if fmt.scale == "e8m0" else "floor"
         rounding = "nearest" if generator is None else "stochastic"
@@ -162,11 +179,13 @@ class QuantizedLinear(nn.Linear):
         if counting:  # the statistics compare in fp32; the quantizer reads a bf16 operand as it is
             t = t.float()
         tile = self.tiled(name, operand)
-        q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split=split)
+        scaled = not self.accumulate[gemm].exact and format_kind(name) in ("mx", "fp4")  # a block-scaled MMA's
+        q = quantize(t, name, axis, rounding, generator, tile, rule, counting, self.compiled, split, scaled)
         if counting:
             self.record(operand, t, q.values if q.factor is None else q.values * q.factor, q.saturated)
         block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
-        return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
+        per = fmt.block if q.scales is not None and isinstance(fmt.block, int) else 0
+        return Operand(q.values, q.factor, fmt.exact_in_bf16, block, fmt.element.name, q.scales, per)
 
     def tiled(self, name: str, operand: str) -> bool:
         """Whether `operand` takes square blocks in format `name` (the recipe's weight_2d)."""
@@ -306,7 +325,7 @@ class QuantizedMatmul(torch.autograd.Function):
         with torch.autocast(device, enabled=False):  # the product of the quantized values, in fp32
             xq = layer.quantize(flat, "input", -1, "forward", out_dtype, record=True)
             wq = layer.quantize(weight, "weight", -1, "forward", out_dtype, record=True)
-            y = gemm(xq, wq.t())
+            y = gemm(xq, wq.t(), layer.accumulate["forward"])
             if bias is not None:
                 y = y + bias.float()
             # the backward GEMMs block them along other axes: the operands as they came, or the forward's copies
@@ -328,12 +347,13 @@ class QuantizedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dyq = layer.quantize(dy, "grad_output", -1, "dgrad", ctx.high, gen, record=True)
             wq = layer.quantize(weight, "weight", 0, "dgrad", ctx.high, record=forward_high)
-            dx = gemm(dyq, wq).to(ctx.x_dtype).reshape(ctx.shape)
+            dx = gemm(dyq, wq, layer.accumulate["dgrad"]).to(ctx.x_dtype).reshape(ctx.shape)
             recorded_dy = layer.gemms["dgrad"] != HIGH
         if ctx.needs_input_grad[1]:
             g, x = layer.weight_grad_operands(dy, flat)
             dyq = layer.quantize(g, "grad_output", 0, "wgrad", ctx.high, gen, record=not recorded_dy)
-            dw = gemm(dyq.t(), layer.quantize(x, "input", 0, "wgrad", ctx.high, record=forward_high))
+            xq = layer.quantize(x, "input", 0, "wgrad", ctx.high, record=forward_high)
+            dw = gemm(dyq.t(), xq, layer.accumulate["wgrad"])
             layer.record_noise(dw, dy, flat if exact is None else exact)
             dw = dw.to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -345,20 +365,32 @@ class Operand(NamedTuple):
     """A GEMM operand in a format: `values` times `factor` (None: 1) are its quantized values; the
     GEMM multiplies `values` and applies the factors to its output, as the hardware applies NVFP4's
     tensor scales, fp8's tensorwise and rowwise ones and fp8_block's per chunk of `block` values of
-    the contraction (None: the factor is per tensor or per row). `bf16`: bf16 holds every value."""
+    the contraction (None: the factor is per tensor or per row). `bf16`: bf16 holds every value.
+    For a modelled accumulation (numerics/accumulate.py): `element`, the values' element type (an
+    element of formats/elements.py, or the dtype of a high GEMM's operands); `scales`, block-scaled
+    formats' E8M0 or E4M3 scales per `scale_block` values of the contraction, which `values` include."""
 
     values: torch.Tensor
     factor: torch.Tensor | None
     bf16: bool
     block: int | None = None
+    element: str = "float32"
+    scales: torch.Tensor | None = None
+    scale_block: int = 0
 
     def t(self) -> Operand:
-        return self._replace(values=self.values.T, factor=None if self.factor is None else self.factor.t())
+        def flip(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.t()
+
+        return self._replace(values=self.values.T, factor=flip(self.factor), scales=flip(self.scales))
 
 
-def gemm(a: Operand, b: Operand) -> torch.Tensor:
+def gemm(a: Operand, b: Operand, accumulation: Accumulation | None = None) -> torch.Tensor:
     """a @ b in fp32: the product of the values with fp32 accumulation, times the two factors (their
-    product first, as cuBLAS takes one alpha and DeepGEMM one scale per chunk)."""
+    product first, as cuBLAS takes one alpha and DeepGEMM one scale per chunk); with a modelled
+    `accumulation`, summed as its tensor cores sum (modelled)."""
+    if accumulation is not None and not accumulation.exact:
+        return modelled(a, b, accumulation)
     block = a.block or b.block
     if block:
         return blockwise(a, b, block)
@@ -382,6 +414,82 @@ def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
     fb = None if b.factor is None else (b.factor if b.factor.dim() == 0 else b.factor.unsqueeze(1))
     scale = times(fa, fb)
     return (partial if scale is None else partial.mul_(scale)).sum(0)
+
+
+def modelled(a: Operand, b: Operand, acc: Accumulation) -> torch.Tensor:
+    """a @ b as `acc`'s instruction for their kind sums it (accumulate.matmul): fp8 elements, their
+    factors applied to the output or, fp8_block's, at each 128-long promotion (DeepGEMM); MX and
+    NVFP4 elements with their block scales inside the instruction, NVFP4's tensor scale after."""
+    kind = operand_kind(a)
+    ins = accumulate.instruction(acc, kind, "a GEMM", "precision.accumulate")
+    if ins is None:
+        return gemm(a, b)
+    subnormals = (SUBNORMAL.get(a.element, -126), SUBNORMAL.get(b.element, -126))
+    if a.scales is not None and b.scales is not None:  # block-scaled: the elements, and their scales
+        nvfp4 = a.scale_block == 16  # E4M3 scales (subnormal below 2^-6), the others E8M0
+        y = accumulate.matmul(elements(a, 1), elements(b, 0), ins, subnormals, acc.promote,
+                              (a.scales, b.scales), a.scale_block, -6 if nvfp4 else -127)  # fmt: skip
+        factor = times(a.factor, b.factor)  # NVFP4's tensor scales
+        return y if factor is None else y * factor
+    block = a.block or b.block
+    if block:  # fp8_block: each 128's partial sum times its two scales, then added in fp32
+        m, n = a.values.shape[0], b.values.shape[1]
+        chunks = -(-a.values.shape[1] // block)
+        fa = torch.broadcast_to(a.factor if a.factor is not None else torch.ones(()), (m, chunks))
+        fb = torch.broadcast_to(b.factor if b.factor is not None else torch.ones(()), (chunks, n))
+        return accumulate.matmul(a.values, b.values, ins, subnormals, block, factors=(fa.float(), fb.float()))
+    y = accumulate.matmul(a.values, b.values, ins, subnormals, acc.promote)
+    factor = times(a.factor, b.factor)
+    return y if factor is None else y * factor
+
+
+SUBNORMAL = {name: e.emin for name, e in ELEMENTS.items()}  # where each element's subnormals sit
+
+
+def operand_kind(op: Operand) -> str | None:
+    """The kind of MMA a GEMM's operand takes (accumulate.KINDS): None for MXINT8, which has none."""
+    if op.element in ("bfloat16", "float16", "float32"):
+        return {"bfloat16": "bf16", "float32": "fp32"}.get(op.element, op.element)
+    if op.element == "int8":
+        return None
+    if op.scales is None:
+        return "fp8"
+    return "fp4" if op.element == "e2m1" else "mx"
+
+
+def format_kind(name: str) -> str | None:
+    """The kind of MMA a format's operands take (as operand_kind); high: decided by the autocast dtype."""
+    if name == HIGH:
+        return "bf16"
+    fmt = FORMATS[name]
+    if fmt.element.name == "int8":
+        return None
+    if fmt.scale == "fp32":
+        return "fp8"
+    return "fp4" if fmt.element.name == "e2m1" else "mx"
+
+
+def elements(op: Operand, axis: int) -> torch.Tensor:
+    """A block-scaled operand's elements: its values divided by their scales along the contraction
+    `axis` (exact: the values are elements times them; a zero scale's block is zeros)."""
+    assert op.scales is not None
+    size = op.values.shape[axis]
+    scales = op.scales.repeat_interleave(op.scale_block, axis).narrow(axis, 0, size)
+    return torch.where(scales > 0, op.values / scales, 0.0)
+
+
+def accumulations(recipe: Recipe, default: str, gemms: dict[str, str]) -> dict[str, Accumulation]:
+    """Each GEMM's preset (accumulate.preset), checked at build against its operands' kind: a GEMM
+    the preset's GPU has no instruction for is a one-line ConfigError (a high GEMM's operands are
+    checked when it runs, once its dtype is known)."""
+    names = recipe.accumulations(default)
+    chosen = {}
+    for g in GEMMS:
+        key = f"precision.recipe.{g}_accumulate" if getattr(recipe, f"{g}_accumulate") else "precision.accumulate"
+        chosen[g] = accumulate.preset(names[g], key)
+        if gemms[g] != HIGH:
+            accumulate.instruction(chosen[g], format_kind(gemms[g]), f"{g} in {gemms[g]}", key)
+    return chosen
 
 
 def times(fa: torch.Tensor | None, fb: torch.Tensor | None) -> torch.Tensor | None:

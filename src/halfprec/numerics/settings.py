@@ -79,3 +79,6 @@ class PrecisionSettings(Protocol):
     def fp8_emulate(self) -> bool: ...
     @property
     def eval(self) -> Sequence[str]: ...  # evaluation precisions: high or formats (numerics/evaluation.py)
+    # precision.accumulate: how the quantized layers' tensor cores sum (numerics/accumulate.py)
+    @property
+    def accumulate(self) -> str: ...

@@ -27,7 +27,7 @@ class EmulatedConverter(Converter):
 
     def convert(self, model: nn.Module, plan: dict[str, str], how: Conversion) -> list[str]:
         compiled = quantizer_for(how.precision.quantizer, how.device_type, how.steps) == "compiled"
-        swap_emulated(model, plan, how.precision.recipe, how.seed, how.rank, compiled)
+        swap_emulated(model, plan, how.precision.recipe, how.seed, how.rank, compiled, how.precision.accumulate)
         notes = [gemm_note(how.device_type)]
         return [*notes, COMPILED_NOTE] if compiled else notes
 
@@ -46,16 +46,18 @@ def quantizer_for(choice: str, device_type: str, steps: int | None = None) -> st
 
 
 def swap_emulated(
-    model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int, compiled: bool = False
-) -> None:
+    model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int, compiled: bool = False,
+    accumulate: str = "exact",
+) -> None:  # fmt: skip
     """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters; `compiled`:
-    its quantizers through torch.compile."""
+    its quantizers through torch.compile; `accumulate`: precision.accumulate (numerics/accumulate.py)."""
     for name, fmt in plan.items():
         if fmt == HIGH:
             continue
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear)
-        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), layer_seed(seed, name, rank), compiled)
+        seeded = layer_seed(seed, name, rank)
+        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), seeded, compiled, accumulate)
         model.set_submodule(name, layer)
 
 

@@ -123,6 +123,7 @@ class Quantized(NamedTuple):
     values: torch.Tensor
     factor: torch.Tensor | None  # with `split`: Format.factor's scale, 0-dim or 1 along the axis
     saturated: torch.Tensor  # values past the element's largest once scaled (0-dim; 0 uncounted)
+    scales: torch.Tensor | None = None  # with `block_scales`: each block's E8M0 or E4M3 scale (per_block)
 
 
 def quantize(
@@ -136,13 +137,15 @@ def quantize(
     count_saturated: bool = False,
     compiled: bool = False,
     split: bool = False,
+    block_scales: bool = False,
 ) -> Quantized:
     """fake_quantize's values; with `count_saturated`, how many values saturated (past the
     element's largest value once divided by their block's scale, so clamped to it): a 0-dim tensor
     on x's device, not read back. `compiled`: through compiled_quantizer, the same values.
     `split`: GEMM operands: the values in fp32 whatever x's dtype, without the part of their scale
     a GEMM applies to its output (Format.factor), and that part as `factor`, shaped to broadcast
-    against them."""
+    against them. `block_scales` (with `split`): also each block's inner scale, E8M0 or NVFP4's E4M3
+    (the scales a block-scaled MMA takes), one per block along the axis as `factor` is shaped."""
     fmt = format_named(name)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
@@ -155,8 +158,11 @@ def quantize(
     if bits is not None and compiled and x.device.type == "cpu":
         bits = bits.int()  # inductor's C++ leaves int16 arithmetic scalar, and the whole loop with it
     core = compiled_quantizer() if compiled else quantize_blocks
-    values, factor, saturated, _ = core(x, name, axis, size, tile, bits, scale_rule, count_saturated, split)
-    return Quantized(values, factor, saturated)
+    values, factor, saturated, stored = core(x, name, axis, size, tile, bits, scale_rule, count_saturated, split)
+    if not block_scales:
+        return Quantized(values, factor, saturated)
+    assert split, "block_scales: the inner scales of split GEMM operands"
+    return Quantized(values, factor, saturated, per_block(stored[1], view(x, axis, size, tile)[1], size))
 
 
 def random_bits(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

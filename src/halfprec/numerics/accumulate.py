@@ -1,0 +1,271 @@
+"""How the tensor cores sum a GEMM's products: bit-exact, vectorised models of the MMA
+instructions' accumulation, after MMA-Sim (microsoft/MMA-Sim; arXiv 2511.10909), on any device.
+
+An instruction takes `k` products and the running sum c at once (MMA-Sim's fused dot-product-add):
+
+    every product and c, with their exponents (an element's floor(log2|x|), its subnormals at the
+    element's smallest normal exponent; a zero at `e_zero`), are aligned to the largest exponent
+    among them, each truncated (toward zero) to `fraction` bits below it, summed exactly, and the
+    sum truncated to `kept` fraction bits (fp32's 23, or 13 for Hopper's and Ada's FP8) as the next c.
+
+The block-scaled ones (Blackwell's MXF8F6F4) fold each operand's power-of-two block scale into its
+products' exponents; MXF4/NVF4 sum each group of 16 products exactly, scale the group sum by the
+two block scales and align the groups (35 bits). A preset (`PRESETS`) says which instruction sums
+each kind of operand (`KINDS`), and where the partial sum is promoted: added to an fp32 (round to
+nearest) accumulator every `promote` values of K, as DeepSeek-V3 and TransformerEngine's split
+accumulator do, or per 128-value chunk where fp8_block's scales apply (DeepGEMM).
+
+Each chunk's alignment depends on the running sum, so the chunks of K are a loop; every output
+and product of a chunk are one vectorised step, in fp64 (exact: the aligned terms are integers
+below 2^53), a band of rows at a time to bound the temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from halfprec.errors import ConfigError
+
+EXACT = "exact"
+# the kinds of GEMM an instruction is chosen for: fp8 elements (their scales applied to the output
+# or at promotion), bf16 values, MX elements of 6-8 bits with E8M0 block scales, 4-bit elements
+# with E8M0 or E4M3 block scales
+KINDS = ("fp8", "bf16", "mx", "fp4")
+ZERO_EXPONENT = -(2**14)  # an operand's zero: far below any product, so never the largest
+ROWS_VALUES = {"cpu": 2**21, "cuda": 2**26}  # temporaries' values per band of rows (M x N x k)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One MMA instruction's arithmetic (MMA-Sim's T-FDPA, ST-FDPA and GST-FDPA)."""
+
+    name: str  # the PTX instruction, for errors and the docs
+    k: int  # products summed at once (MMA-Sim's L_max)
+    fraction: int  # bits each aligned product keeps below the largest exponent (F)
+    kept: int  # fraction bits of the sum between instructions (RZ-FP32: 23, RZ-E8M13: 13)
+    e_zero: int  # the exponent a zero product (or sum) takes in the alignment
+    group: int = 0  # block-scaled 4-bit: products summed exactly per group, then aligned (G)
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """A preset: the instruction for each operand kind it has one for, and the promotion interval."""
+
+    name: str
+    doc: str
+    instructions: dict[str, Instruction] = field(default_factory=dict)
+    promote: int | None = None  # K values per partial sum added to the fp32 accumulator; None: never
+
+    @property
+    def exact(self) -> bool:
+        return self.name == EXACT
+
+
+WGMMA_FP8 = Instruction("wgmma.m64nNk32.f32.e4m3/e5m2", 32, 13, 13, -133)
+WGMMA_BF16 = Instruction("wgmma.m64nNk16.f32.bf16.bf16", 16, 25, 23, -133)
+MMA_BF16_SM80 = Instruction("mma.m16n8k16.f32.bf16.bf16.f32", 8, 24, 23, -132)
+MMA_FP8_SM89 = Instruction("mma.m16n8k32.f32.e4m3/e5m2.f32", 16, 13, 13, -132)
+TCGEN05_F8F6F4 = Instruction("tcgen05.mma.kind::f8f6f4.f32", 32, 25, 23, -133)
+TCGEN05_BF16 = Instruction("tcgen05.mma.kind::f16.f32.bf16.bf16", 16, 25, 23, -133)
+TCGEN05_MXF8F6F4 = Instruction("tcgen05.mma.kind::mxf8f6f4.block32.f32.ue8m0", 32, 25, 23, -133)
+TCGEN05_MXF4NVF4 = Instruction("tcgen05.mma.kind::mxf4nvf4.f32.e2m1.e2m1", 64, 35, 23, -139, group=16)
+
+HOPPER = {"fp8": WGMMA_FP8, "bf16": WGMMA_BF16}
+PRESETS = {
+    p.name: p
+    for p in (
+        Accumulation(EXACT, "fp32 products summed by an fp32 GEMM (no model of the tensor cores)"),
+        Accumulation("hopper", "H100/H200 wgmma: FP8 13 fraction bits, sum kept with 13; bf16 25", HOPPER),
+        Accumulation(
+            "hopper_promoted", "hopper, the partial sum added in fp32 every 128 of K (DeepSeek-V3)", HOPPER, promote=128
+        ),  # fmt: skip
+        Accumulation("ampere", "A100 mma: bf16 24 fraction bits per 8 products", {"bf16": MMA_BF16_SM80}),
+        Accumulation(
+            "ada",
+            "L40/RTX 40 mma: FP8 13 bits per 16 products, sum kept with 13; bf16 24",
+            {"fp8": MMA_FP8_SM89, "bf16": MMA_BF16_SM80},
+        ),  # fmt: skip
+        Accumulation(
+            "blackwell",
+            "B200 tcgen05.mma: FP8, bf16, MXF8F6F4 25 bits; MXF4/NVF4 35",
+            {"fp8": TCGEN05_F8F6F4, "bf16": TCGEN05_BF16, "mx": TCGEN05_MXF8F6F4, "fp4": TCGEN05_MXF4NVF4},
+        ),  # fmt: skip
+    )
+}
+
+
+def preset(name: str, key: str) -> Accumulation:
+    """The preset `name`, or a one-line ConfigError naming `key` (precision.accumulate or a GEMM's)."""
+    if name not in PRESETS:
+        raise ConfigError(key, name, f"an accumulation preset: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def instruction(acc: Accumulation, kind: str | None, gemm: str, key: str) -> Instruction | None:
+    """The instruction that sums a `kind` GEMM under `acc`; None where the sums are exact (the preset
+    exact, or fp32 operands: CUDA cores' FMAs, no tensor core). A one-line ConfigError where the
+    preset's GPU has no such MMA (MXFP4 on Hopper, MXINT8 anywhere)."""
+    if acc.exact or kind == "fp32":
+        return None
+    if kind not in acc.instructions:
+        works = ", ".join(acc.instructions)
+        what = f"a {kind} GEMM" if kind else "an MXINT8 GEMM"
+        fix = f"{acc.name} has no MMA instruction for {what} ({gemm}); it models {works} GEMMs, exact any"
+        raise ConfigError(key, acc.name, fix)
+    return acc.instructions[kind]
+
+
+def exponents(x: torch.Tensor, subnormal: int) -> torch.Tensor:
+    """floor(log2|x|) as int32, no lower than `subnormal` (an element's smallest normal exponent,
+    where its subnormals sit); a zero gets ZERO_EXPONENT."""
+    _, e = torch.frexp(x)
+    e = (e - 1).clamp_(min=subnormal)
+    return e.masked_fill_(x == 0, ZERO_EXPONENT)
+
+
+def keep(value: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp64 `value` truncated toward zero to `bits` fraction bits (fp32's exponent range, its
+    subnormals below 2^-126), as fp32; -0 comes back +0."""
+    e = exponents(value, -126).clamp_(min=-126).double()
+    kept = torch.trunc(value * torch.exp2(bits - e)) * torch.exp2(e - bits)
+    return kept.float() + 0.0
+
+
+def normalised(x: torch.Tensor, subnormal: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as m * 2^e (fp64, int32), 1 <= |m| < 2 but where x is subnormal (e = `subnormal`)."""
+    e = exponents(x, subnormal).clamp_(min=subnormal)
+    return x.double() * torch.exp2(-e.double()), e
+
+
+def sum_exponent(c: torch.Tensor, e_zero: int) -> torch.Tensor:
+    """The running sum's exponent in the alignment: fp32's, e_zero for a zero."""
+    return exponents(c, -126).masked_fill_(c == 0, e_zero)
+
+
+def fdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor,
+         ins: Instruction, shift: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One instruction on a band: c (R x N, fp32) + the k products of a (R x k) and b (k x N), both
+    fp64 element values with their exponents ea, eb (int32, exponents()); `shift` (R x N, int32): the
+    block scales' exponents, added to every product's (MXF8F6F4). MMA-Sim's T-FDPA / ST-FDPA."""
+    products = a.unsqueeze(1) * b.t().unsqueeze(0)  # R x N x k, exact in fp64
+    largest = (ea.unsqueeze(1) + eb.t().unsqueeze(0)).amax(-1)
+    nonzero = (a != 0).double() @ (b != 0).double()  # products that are not zero
+    if shift is not None:
+        largest = largest + shift
+    largest = torch.where(nonzero < a.shape[1], largest.clamp(min=ins.e_zero), largest)
+    largest = torch.maximum(largest, sum_exponent(c, ins.e_zero))
+    lift = ins.fraction - largest if shift is None else ins.fraction - largest + shift
+    terms = torch.trunc(products * torch.exp2(lift.double()).unsqueeze(-1)).sum(-1)
+    terms += torch.trunc(c.double() * torch.exp2(ins.fraction - largest.double()))
+    return keep(terms * torch.exp2(largest.double() - ins.fraction), ins.kept)
+
+
+def gfdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+          ins: Instruction, subnormal: int) -> torch.Tensor:  # fmt: skip
+    """One block-scaled 4-bit instruction on a band (MMA-Sim's GST-FDPA): a (R x k), b (k x N) the
+    elements, sa (R x k/G), sb (k/G x N) each group's scale (fp32). A group's products summed exactly
+    (a batched GEMM: 16 products of 4-bit elements are exact in fp32), times both scales'
+    significands, aligned at both scales' exponents (e_zero where every product or a scale is zero);
+    `subnormal`: the scales' smallest normal exponent (UE4M3: -6; E8M0: -127)."""
+    g = ins.group
+    groups = a.shape[1] // g
+    ag, bg = a.reshape(-1, groups, g).transpose(0, 1), b.reshape(groups, g, -1)
+    sums = (ag.float() @ bg.float()).permute(1, 2, 0).double()  # R x N x groups
+    nonzero = ((ag != 0).float() @ (bg != 0).float()).permute(1, 2, 0)
+    (ma, ea), (mb, eb) = normalised(sa, subnormal), normalised(sb, subnormal)
+    scale = ma.unsqueeze(1) * mb.t().unsqueeze(0)
+    e = ea.unsqueeze(1) + eb.t().unsqueeze(0)
+    e = e.masked_fill((nonzero == 0) | (scale == 0), ins.e_zero)
+    largest = torch.maximum(e.amax(-1), sum_exponent(c, ins.e_zero))
+    lift = (ins.fraction + e - largest.unsqueeze(-1)).double()
+    terms = torch.trunc(sums * scale * torch.exp2(lift)).sum(-1)
+    terms += torch.trunc(c.double() * torch.exp2(ins.fraction - largest.double()))
+    return keep(terms * torch.exp2(largest.double() - ins.fraction), ins.kept)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, ins: Instruction, subnormals: tuple[int, int] = (-126, -126),
+           promote: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+           block: int = 32, scale_subnormal: int = -127,
+           factors: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """a (M x K) @ b (K x N) in fp32 as successive `ins` sum it, from zero; every `promote` values
+    of K (a multiple of ins.k) the partial sum is added to an fp32 accumulator (round to nearest)
+    and the next one starts from zero; with `factors` (M x K/promote, K/promote x N) each partial is
+    first multiplied by its two (a fused multiply-add: fp8_block's scales, as DeepGEMM applies them).
+
+    a and b hold element values (their subnormals below 2^`subnormals`); `scales`: their block
+    scales along K (M x K/block, K/block x N; `block` a multiple of ins.group or ins.k): powers of
+    two folded into the products' exponents (MXF8F6F4's blocks of 32, one per instruction), or
+    applied to each group's sum (4-bit: E8M0 or UE4M3 scales, `scale_subnormal` -6 for UE4M3)."""
+    m, k = a.shape
+    pad = -k % (promote or ins.k)
+    length = k + pad
+    a, b = F.pad(a.double(), (0, pad)), F.pad(b.double(), (0, 0, 0, pad))
+    operands = Band(a, b, exponents(a, subnormals[0]), exponents(b, subnormals[1]), None, None, scale_subnormal)
+    if scales is not None:  # one scale per group (4-bit) or per instruction
+        per = ins.group or ins.k
+        sa, sb = spread(scales[0], block // per, length // per, 1), spread(scales[1], block // per, length // per, 0)
+        operands = operands._replace(sa=sa, sb=sb)
+    out = torch.empty(m, b.shape[1], dtype=torch.float32, device=a.device)
+    rows = max(1, ROWS_VALUES.get(a.device.type, ROWS_VALUES["cuda"]) // max(1, b.shape[1] * ins.k))
+    step = promote or length
+    for r in range(0, m, rows):
+        band = slice(r, r + rows)
+        total = None
+        for p in range(0, length, step):
+            c = partial(operands, band, range(p, p + step, ins.k), ins)
+            chunk = None if factors is None else (factors[0][band, p // step], factors[1][p // step])
+            total = promoted(total, c, chunk)
+        assert total is not None
+        out[band] = total
+    return out
+
+
+class Band(NamedTuple):
+    """matmul's operands: elements in fp64, their exponents, the scales per group or instruction."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    ea: torch.Tensor
+    eb: torch.Tensor
+    sa: torch.Tensor | None
+    sb: torch.Tensor | None
+    scale_subnormal: int
+
+
+def partial(o: Band, band: slice, starts: range, ins: Instruction) -> torch.Tensor:
+    """The rows `band` of the sum of instructions beginning at `starts` along K, from zero."""
+    c = torch.zeros(o.a[band].shape[0], o.b.shape[1], dtype=torch.float32, device=o.a.device)
+    for j in starts:
+        ks = slice(j, j + ins.k)
+        if ins.group:
+            assert o.sa is not None and o.sb is not None
+            g = slice(j // ins.group, (j + ins.k) // ins.group)
+            c = gfdpa(o.a[band, ks], o.b[ks], c, o.sa[band, g], o.sb[g], ins, o.scale_subnormal)
+            continue
+        shift = None
+        if o.sa is not None and o.sb is not None:
+            i = j // ins.k
+            shift = exponents(o.sa[band, i], -127).unsqueeze(1) + exponents(o.sb[i], -127).unsqueeze(0)
+        c = fdpa(o.a[band, ks], o.b[ks], c, o.ea[band, ks], o.eb[ks], ins, shift)
+    return c
+
+
+def promoted(total: torch.Tensor | None, partial: torch.Tensor,
+             factors: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+    """The fp32 accumulator after a partial sum is added (times its two factors, fused: exact in fp64
+    but for a double rounding about once in 2^29)."""
+    if factors is None:
+        return partial if total is None else total + partial
+    scaled = partial.double() * (factors[0].unsqueeze(1) * factors[1].unsqueeze(0)).double()
+    return scaled.float() if total is None else (scaled + total.double()).float()
+
+
+def spread(scales: torch.Tensor, times: int, count: int, dim: int) -> torch.Tensor:
+    """Block scales repeated `times` along `dim`, then padded with ones to `count`."""
+    s = scales.repeat_interleave(times, dim) if times > 1 else scales
+    pad = count - s.shape[dim]
+    return torch.nn.functional.pad(s, (0, pad) if dim == 1 else (0, 0, 0, pad), value=1.0) if pad else s
