@@ -1,18 +1,33 @@
 """Attention's GEMMs in a number format (numerics/attention.py): the explicit attention against torch's
 fused one, each quantized GEMM against the product written out by hand with fake_quantize, the
-gradients against finite differences, the Hadamard transform of Q and K."""
+gradients against finite differences, the Hadamard transform of Q and K; the plan's rules and
+schedules reaching attention, the config's errors, and the CLI as a user runs it."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from halfprec.config import validate
+from halfprec.config.schema import Phase
+from halfprec.config.schema import QuantRule as Rule
+from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
 from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct
 from halfprec.numerics.formats import fake_quantize as fq
-from halfprec.numerics.quantized import Recipe
+from halfprec.numerics.layers import plan_layers
+from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.schedule import build_schedule
+from halfprec.numerics.settings import HIGH
+
+from helpers import TRAIN, build_from, compose_cfg
+
+GPT = ["task=lm", "model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "data.batch_size=4"]
 
 HIGH_GEMMS = AttentionRecipe(format="mxfp8", forward="high", backward="high")
 
@@ -134,3 +149,86 @@ def test_the_output_comes_in_the_autocast_dtype_and_gradients_in_the_inputs():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert q.grad is not None and q.grad.dtype == torch.float32
+
+
+# the plan, the config and the CLI
+
+
+def gpt(n_layer=3):
+    from halfprec.components.models.gpt import create_gpt
+
+    return create_gpt((16,), 50, n_layer=n_layer, n_embd=16, n_head=2, block_size=16)
+
+
+def test_rules_and_high_blocks_reach_attention_only_when_it_is_quantized():
+    model = gpt()
+    rules = [Rule("blocks.1.*", "nvfp4")]
+    off = plan_layers(model, "mxfp8", rules, high_first=1)
+    assert not any(name.endswith(".core") for name in off)  # torch's fused attention throughout
+    on = plan_layers(model, "mxfp8", rules, high_first=1, attention="mxfp4")
+    cores = {name: fmt for name, fmt in on.items() if name.endswith(".core")}
+    assert cores == {"blocks.0.attn.core": HIGH, "blocks.1.attn.core": "nvfp4", "blocks.2.attn.core": "mxfp4"}
+    assert {n: f for n, f in on.items() if n in off} == off  # the Linear layers' plan is the same
+
+
+def test_a_rule_naming_only_attention_cores_wants_attention_quantized():
+    with pytest.raises(ConfigError, match=r"rules\[0\].match=\*.core: matches only attention cores.*attention.format"):
+        plan_layers(gpt(), "mxfp8", [Rule("*.core", "mxfp8")])
+
+
+def test_a_schedule_phase_reaches_attentions_forward_or_backward():
+    plan = {"blocks.0.attn.qkv": "mxfp8", "blocks.0.attn.core": "mxfp8"}
+    phases = [Phase(format=HIGH, gemms=["wgrad"], from_step=2), Phase(format="mxfp4", gemms=["forward"], from_step=3)]
+    recipe = AttentionRecipe(format="mxfp8")
+    _, schedule = build_schedule(plan, phases, Recipe(), 10, recipe, {"blocks.0.attn.core"})
+    assert schedule.labels(1) == {"blocks.0.attn.qkv": "mxfp8-mxfp8-high", "blocks.0.attn.core": "mxfp8-high"}
+    assert schedule.labels(2)["blocks.0.attn.core"] == "mxfp4-high"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["precision.attention.format=mxfp9"], r"precision.attention.format=mxfp9: no such number format"),
+        (["precision.attention.hadamard=true"], r"attention.hadamard=true: .*set precision.attention.format"),
+        (["precision=fp8", "precision.attention.format=mxfp8"], r"precision.kernel=native: torchao has no quantized"),
+        (["precision.attention=mxfp8"], r"precision.attention=mxfp8: a mapping of format"),
+        (["precision.attention.format=mxfp8", "precision.attention.forward=high", "precision.attention.backward=high"],
+         r"keeps every attention GEMM high"),
+    ],
+)  # fmt: skip
+def test_attention_settings_that_cannot_work_are_one_line_errors(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        validate(compose_cfg(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["precision=bf16", "precision.attention.format=mxfp8"], r"Sequential has no attention core"),  # the MLP
+        ([*GPT, "precision=bf16", "precision.attention.format=mxfp8", "model.dropout=0.1"], r"model.dropout=0.1"),
+    ],
+)
+def test_a_model_without_an_attention_core_or_with_dropout_is_an_error_at_build(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        build_from(*overrides)
+
+
+def test_the_converted_gpt_computes_attention_in_its_format():
+    c, _ = build_from(*GPT, "precision=bf16", "precision.attention.format=nvfp4", "precision.attention.backward=high")
+    core = c.model.get_submodule("blocks.0.attn.core")
+    assert isinstance(core, QuantizedAttention) and core.gemms == {"forward": "nvfp4", "backward": HIGH}
+    assert not any(isinstance(m, QuantizedLinear) for m in c.model.modules())  # precision.format is null
+    assert set(c.model.state_dict()) == set(build_from(*GPT, "precision=bf16")[0].model.state_dict())
+
+
+@pytest.mark.slow
+def test_cli_trains_the_gpt_with_attention_in_mxfp8(tmp_path):
+    """As a user runs it: the start table lists the attention cores, the first row counts them."""
+    args = [*GPT, "precision=mxfp8", "precision.attention.format=mxfp8", "precision.attention.hadamard=true",
+            "trainer.max_steps=2", "trainer.val_every=0", "logger=none", "trainer.progress=false",
+            f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    done = subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "attention: mxfp8    2  blocks.0.attn.core, blocks.1.attn.core" in done.stderr
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["precision/attention/mxfp8"] == 2 and math.isfinite(first["train/loss"])

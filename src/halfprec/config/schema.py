@@ -64,6 +64,7 @@ class Precision:
         Literal["auto", "eager", "compiled"],
         Spec(doc="emulated layers' quantizers; auto: compiled on a GPU, and on a CPU from 1000 steps"),
     ]
+    attention: Any  # numerics/attention.AttentionRecipe (config/validate.py: check_attention)
 
 
 @dataclass

@@ -63,6 +63,18 @@ def check_recipe(p: DictConfig) -> None:
     check_node(p.recipe, Recipe, "precision.recipe", "precision.recipe")
 
 
+def check_attention(p: DictConfig) -> None:
+    """precision.attention against its dataclass, numerics/attention.AttentionRecipe (imports torch)."""
+    from halfprec.numerics.attention import AttentionRecipe
+
+    if not isinstance(p.attention, DictConfig):  # precision.attention=mxfp8: its format is a key of it
+        raise ConfigError(
+            "precision.attention", p.attention, "a mapping of format, forward, backward, hadamard: set one at a time, "
+            "e.g. precision.attention.format=mxfp8",
+        )  # fmt: skip
+    check_node(p.attention, AttentionRecipe, "precision.attention", "precision.attention")
+
+
 def check_quantization(p: DictConfig) -> None:
     """Each of precision.rules: its keys and types (the format names are checked with the registry,
     in validate_components)."""
@@ -124,6 +136,7 @@ def validate_components(cfg: DictConfig) -> None:
     from halfprec.numerics.formats import FORMATS
 
     check_recipe(cfg.precision)
+    check_attention(cfg.precision)
     rules.check_formats(cfg.precision, FORMATS)
     rules.check_shadow(cfg.diagnostics, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")

@@ -89,6 +89,8 @@ class QuantizedAttention(ScaledDotProduct):
     for S = QK^T by a random-sign Hadamard matrix drawn from `seed` (the largest power of two dividing
     d: the whole head where d is one, as FlashAttention-3 does). No dropout (a ConfigError)."""
 
+    eager_under_compile = True  # quantized.keep_eager
+
     def __init__(self, fmt: str, attention: AttentionRecipe, recipe: Recipe, seed: int):
         super().__init__()
         self.format, self.attention, self.recipe, self.seed = fmt, attention, recipe, seed

@@ -94,6 +94,8 @@ class QuantizedLinear(nn.Linear):
     unbroken one would. With `stats` a dict, each forward and backward adds its quantization
     statistics to it (diagnostics steps)."""
 
+    eager_under_compile = True  # keep_eager
+
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, recipe: Recipe, seed: int,
                  device: Any = None, dtype: torch.dtype | None = None, compiled: bool = False):  # fmt: skip
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -377,5 +379,5 @@ def keep_eager(model: nn.Module) -> None:
     `@torch.compiler.disable` on the class, which imports torch._dynamo at import: config validation
     imports this module, and a config error should not wait for dynamo."""
     for layer in model.modules():
-        if isinstance(layer, QuantizedLinear):
-            layer.forward = torch.compiler.disable(layer.forward)  # type: ignore[method-assign]
+        if getattr(layer, "eager_under_compile", False):  # QuantizedLinear, numerics/attention's QuantizedAttention
+            layer.forward = torch.compiler.disable(layer.forward)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from halfprec.numerics.attention import AttentionRecipe
     from halfprec.numerics.quantized import Recipe
 
 HIGH = "high"  # not quantized: a layer, or one of its GEMMs, computes in the run's autocast or parameter dtype
@@ -77,3 +78,5 @@ class PrecisionSettings(Protocol):
     def quantizer(self) -> str: ...
     @property
     def fp8_emulate(self) -> bool: ...
+    @property
+    def attention(self) -> AttentionRecipe: ...
