@@ -167,14 +167,16 @@ def as_dict(cfg: Any) -> dict[str, Any]:
 def fixed_groups() -> Iterator[tuple[str, list[tuple]]]:
     """(title, rows) per group whose keys config/schema.py fixes, with the default run's values (composed
     inside reference()'s initialize_config_dir)."""
+    from halfprec.numerics.attention import AttentionRecipe
     from halfprec.numerics.quantized import Recipe
 
     cfg = as_dict(compose("train"))
     groups = tuple(f.name for f in dataclasses.fields(schema.Top) if f.type in ("Any", Any))
     yield "top level (train.yaml)", dataclass_rows(schema.Top, cfg, yaml_comments(CONF / "train.yaml"), groups)
     precision = yaml_comments(CONF / "precision" / "fp32.yaml")
-    yield "precision", dataclass_rows(schema.Precision, cfg["precision"], precision, ("recipe",))
+    yield "precision", dataclass_rows(schema.Precision, cfg["precision"], precision, ("recipe", "attention"))
     yield "precision.recipe", dataclass_rows(Recipe, cfg["precision"]["recipe"], precision)
+    yield "precision.attention", dataclass_rows(AttentionRecipe, cfg["precision"]["attention"], precision)
     yield "precision.rules: each rule", dataclass_rows(schema.QuantRule, {}, {})
     yield "precision.schedule: each phase", dataclass_rows(schema.Phase, {}, {})
     for option, cls in schema.SCHEDULES.items():
@@ -274,6 +276,7 @@ def formats_table() -> list[str]:
 
 def formats_section() -> list[str]:
     intro = ("`precision.format`, `precision.rules[*].format`, `precision.recipe.grad_format/forward/dgrad/wgrad`, "
+             "`precision.attention.format/forward/backward`, "
              "`precision.schedule[*].format` and `diagnostics.shadow` take these names "
              "(halfprec/numerics/formats/__init__.py).")  # fmt: skip
     return ["## Number formats", "", intro, "", *formats_table(), ""]

@@ -70,8 +70,9 @@ def master_kind(p: DictConfig) -> str:
 
 
 def quantizes(p: DictConfig) -> bool:
-    """Whether any layer is quantized: a format, or a rule naming one."""
-    return bool(p.format or any(r.format != HIGH for r in p.rules) or any(s.format != HIGH for s in p.schedule))
+    """Whether any layer is quantized: a format, or a rule naming one; or attention (precision.attention)."""
+    linears = p.format or any(r.format != HIGH for r in p.rules) or any(s.format != HIGH for s in p.schedule)
+    return bool(linears or p.attention.format)
 
 
 def check_layer_formats(p: DictConfig) -> None:
@@ -100,7 +101,8 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
         )
 
     gemms = ("forward", "dgrad", "wgrad")
-    if quantizes(p) and all(p.recipe[g] == HIGH for g in gemms) and all(s.format == HIGH for s in p.schedule):
+    all_high = all(p.recipe[g] == HIGH for g in gemms) and all(s.format == HIGH for s in p.schedule)
+    if quantizes(p) and all_high and not p.attention.format:
         raise ConfigError(
             "precision.recipe.forward/dgrad/wgrad", HIGH, "keeps all three GEMMs of every layer high, so nothing "
             "is quantized: set one of them to null (the layer's format), or use precision=bf16 for no quantized layer",
@@ -122,6 +124,7 @@ def check_formats(p: DictConfig, formats: dict[str, Any]) -> None:
         if phase.format not in (HIGH, *formats):
             raise ConfigError(f"precision.schedule[{i}].format", phase.format, f"a format ({names}) or high")
     check_eval(p["eval"], formats)
+    check_attention_formats(p.attention, formats)
     precision = precision_of(cast(dict, OmegaConf.to_container(p, resolve=True)))  # a mapping: check_node
     CONVERTERS[precision.kernel].check_config(precision)
 
@@ -134,6 +137,24 @@ def check_eval(entries: Any, formats: dict[str, Any]) -> None:
             again = " once each" if entry in (HIGH, *formats) else ""
             raise ConfigError("precision.eval", entry, f"a list of high and formats{again}, e.g. [high, mxfp4, "
                               f"nvfp4] (the formats: {', '.join(formats)})")  # fmt: skip
+
+
+def check_attention_formats(a: DictConfig, formats: dict[str, Any]) -> None:
+    """precision.attention's format names, and its other keys only where its format turns it on."""
+    names = ", ".join(formats)
+    if a.format is not None and a.format not in formats:
+        raise ConfigError("precision.attention.format", a.format, f"no such number format; they are {names}")
+    for gemm in ("forward", "backward"):
+        if a[gemm] is not None and a[gemm] not in (HIGH, *formats):
+            raise ConfigError(f"precision.attention.{gemm}", a[gemm], f"null (precision.attention.format), high, or "
+                              f"a format ({names})")  # fmt: skip
+    switched = [k for k, off in (("forward", None), ("backward", None), ("hadamard", False)) if a[k] != off]
+    if switched and a.format is None:
+        raise ConfigError(f"precision.attention.{switched[0]}", a[switched[0]], "applies to quantized attention: set "
+                          "precision.attention.format too (null keeps torch's fused attention)")  # fmt: skip
+    if a.forward == HIGH and a.backward == HIGH:
+        raise ConfigError("precision.attention.forward/backward", HIGH, "keeps every attention GEMM high, so nothing "
+                          "is quantized: set one to null, or precision.attention.format=null")  # fmt: skip
 
 
 def check_scaler(s: DictConfig) -> None:

@@ -20,6 +20,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     # from before the number formats: no layer quantized
     "precision.format": None,
     # each recipe switch off: Recipe's defaults (filled in by implied())
+    # attention unquantized: AttentionRecipe's defaults, precision.attention.* (filled in by implied())
     "precision.rules": [],
     "precision.schedule": [],
     "precision.high_first": 0,
@@ -54,10 +55,12 @@ MOOT_WHILE_ZERO = {"optim.no_decay": "optim.weight_decay"}
 
 
 def implied() -> dict[str, object]:
+    from halfprec.numerics.attention import AttentionRecipe
     from halfprec.numerics.quantized import Recipe  # imports torch, as reading a checkpoint does anyway
 
     recipe = {f"precision.recipe.{f.name}": f.default for f in fields(Recipe)}
-    return {**IMPLIED_BY_OLDER_CHECKPOINTS, **recipe}
+    attention = {f"precision.attention.{f.name}": f.default for f in fields(AttentionRecipe)}
+    return {**IMPLIED_BY_OLDER_CHECKPOINTS, **recipe, **attention}
 
 
 def respelled(precision: dict[str, Any]) -> dict[str, Any]:

@@ -66,6 +66,7 @@ class Precision:
     ]
     # validation in other precisions too (numerics/evaluation.py); the names: config/rules.py check_formats
     eval: Annotated[list[str], Spec(doc="[] or entries high | <format>: val/<metric>@<entry> beside val/*")]
+    attention: Any  # numerics/attention.AttentionRecipe (config/validate.py: check_attention)
     # how the quantized layers' GEMMs sum (numerics/accumulate.py's presets; checked with the registry)
     accumulate: Annotated[
         str, Spec(doc="the tensor cores' sums modelled: exact | hopper | hopper_promoted | ampere | ada | blackwell")

@@ -56,13 +56,15 @@ def choice_of(group: str, node: dict[str, Any]) -> Choice:
 
 
 def precision_of(node: dict[str, Any]) -> schema.Precision:
-    """precision.*'s keys as the typed Precision: its recipe a numerics/quantized.Recipe, its rules
-    QuantRules, its schedule Phases."""
+    """precision.*'s keys as the typed Precision: its recipe a numerics/quantized.Recipe, its
+    attention a numerics/attention.AttentionRecipe, its rules QuantRules, its schedule Phases."""
+    from halfprec.numerics.attention import AttentionRecipe
     from halfprec.numerics.quantized import Recipe  # imports torch, as a run does anyway
 
     rules = [schema.QuantRule(**rule) for rule in node["rules"]]
     schedule = [schema.Phase(**phase) for phase in node["schedule"]]
-    return schema.Precision(**{**node, "recipe": Recipe(**node["recipe"]), "rules": rules, "schedule": schedule})
+    nested: dict[str, Any] = {"recipe": Recipe(**node["recipe"]), "attention": AttentionRecipe(**node["attention"])}
+    return schema.Precision(**{**node, **nested, "rules": rules, "schedule": schedule})
 
 
 def fail_fast_of(cfg: DictConfig) -> bool:

@@ -79,6 +79,18 @@ def check_accumulate(p: DictConfig) -> None:
                 raise ConfigError(key, name, fix)
 
 
+def check_attention(p: DictConfig) -> None:
+    """precision.attention against its dataclass, numerics/attention.AttentionRecipe (imports torch)."""
+    from halfprec.numerics.attention import AttentionRecipe
+
+    if not isinstance(p.attention, DictConfig):  # precision.attention=mxfp8: its format is a key of it
+        raise ConfigError(
+            "precision.attention", p.attention, "a mapping of format, forward, backward, hadamard: set one at a time, "
+            "e.g. precision.attention.format=mxfp8",
+        )  # fmt: skip
+    check_node(p.attention, AttentionRecipe, "precision.attention", "precision.attention")
+
+
 def check_quantization(p: DictConfig) -> None:
     """Each of precision.rules: its keys and types (the format names are checked with the registry,
     in validate_components)."""
@@ -141,6 +153,8 @@ def validate_components(cfg: DictConfig) -> None:
 
     check_recipe(cfg.precision)
     check_accumulate(cfg.precision)
+
+    check_attention(cfg.precision)
     rules.check_formats(cfg.precision, FORMATS)
     rules.check_shadow(cfg.diagnostics, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")

@@ -6,7 +6,10 @@ The plan names a format, or `high`, for every Linear layer: the first rule whose
 layer's name; else `high` for the first/last N blocks and the output head; else precision.format.
 As in NVIDIA's NVFP4 recipe, embeddings, norms, attention's softmax and convolutions are not Linear
 layers and stay high; so does the output head (a model's `keep_high` names, else its last Linear
-layer) unless a rule names it. A converter (numerics/converters) swaps the planned layers.
+layer) unless a rule names it. With precision.attention.format set, the attention cores (the GPT's
+blocks.N.attn.core) are planned too, by the same rules and high blocks, that format their default;
+without it they stay torch's fused attention. A converter (numerics/converters) swaps the planned
+modules.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from halfprec.errors import ConfigError
+from halfprec.numerics.attention import ScaledDotProduct
 from halfprec.numerics.formats import FORMATS
 from halfprec.numerics.quantized import Recipe
 from halfprec.numerics.settings import HIGH, PrecisionSettings, RuleSettings
@@ -26,6 +30,18 @@ Fits = Callable[[nn.Module], bool]  # whether the converter can take a Linear la
 
 def linear_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def attention_cores(model: nn.Module) -> list[str]:
+    """The model's attention cores (numerics/attention.py: the GPT's blocks.N.attn.core)."""
+    return [name for name, m in model.named_modules() if isinstance(m, ScaledDotProduct)]
+
+
+def planned_modules(model: nn.Module, attention: str | None) -> list[str]:
+    """What a plan gives formats, in model order: the Linear layers, and with attention quantized
+    (precision.attention.format) the attention cores."""
+    kinds = (nn.Linear, ScaledDotProduct) if attention else nn.Linear
+    return [name for name, m in model.named_modules() if isinstance(m, kinds)]
 
 
 def block_names(model: nn.Module) -> list[str]:
@@ -46,20 +62,37 @@ def plan_precision(model: nn.Module, p: PrecisionSettings, fits: Fits, unfit: st
     """precision.*'s plan for `model` (`fits`, `unfit`: the converter's, as plan_layers and
     nothing_to_quantize take them) and the warnings of rules that change nothing; a ConfigError for
     a plan that quantizes no layer and has no schedule to."""
-    plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, fits)
-    warnings = shadowed_rules(model, p.rules)
+    attention = p.attention.format
+    if attention and not attention_cores(model):
+        raise ConfigError(
+            "precision.attention.format", attention, f"{type(model).__name__} has no attention core to quantize (the "
+            "GPT's blocks.N.attn.core, torch's fused attention in a module of its own): use precision.attention."
+            "format=null",
+        )  # fmt: skip
+    plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, fits, attention)
+    warnings = shadowed_rules(model, p.rules, attention)
     if all(f == HIGH for f in plan.values()) and not p.schedule:
         raise nothing_to_quantize(model, p.format, p.rules, p.high_first, p.high_last, fits, unfit, p.name)
     return plan, warnings
 
 
 def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings], high_first: int = 0,
-                high_last: int = 0, fits: Fits | None = None) -> dict[str, str]:  # fmt: skip
+                high_last: int = 0, fits: Fits | None = None,
+                attention: str | None = None) -> dict[str, str]:  # fmt: skip
     """Each Linear layer's format or `high` (the module docstring's order); `fits`: whether the
-    converter can take a layer at all (float8: sides that are multiples of 16), else high."""
+    converter can take a layer at all (float8: sides that are multiples of 16), else high. With
+    `attention` (precision.attention.format), each attention core's too, by the same rules and high
+    blocks, `attention` its default."""
     linears = linear_layers(model)
+    modules = planned_modules(model, attention)
+    cores = set(attention_cores(model))
     for i, rule in enumerate(rules):
-        if not any(fnmatchcase(name, rule.match) for name in linears):
+        if not any(fnmatchcase(name, rule.match) for name in modules):
+            if any(fnmatchcase(name, rule.match) for name in cores):
+                raise ConfigError(
+                    f"precision.rules[{i}].match", rule.match, "matches only attention cores, which stay torch's "
+                    "fused attention: set precision.attention.format to quantize them",
+                )  # fmt: skip
             shown = ", ".join(linears[:8]) + (", ..." if len(linears) > 8 else "")
             raise ConfigError(f"precision.rules[{i}].match", rule.match, f"matches no Linear layer; they are {shown}")
     blocks = block_names(model)
@@ -71,24 +104,24 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings]
     high_blocks = blocks[:high_first] + blocks[len(blocks) - high_last :]
     heads = output_heads(model, linears)
     plan = {}
-    for name in linears:
+    for name in modules:
         chosen = next((r for r in rules if fnmatchcase(name, r.match)), None)
         if chosen is not None:
             plan[name] = chosen.format
         elif name in heads or any(name.startswith(f"{b}.") for b in high_blocks):
             plan[name] = HIGH
         else:
-            plan[name] = fmt or HIGH
-        if fits is not None and not fits(model.get_submodule(name)):
+            plan[name] = (attention if name in cores else fmt) or HIGH
+        if fits is not None and name not in cores and not fits(model.get_submodule(name)):
             plan[name] = HIGH
     return plan
 
 
-def shadowed_rules(model: nn.Module, rules: Sequence[RuleSettings]) -> list[str]:
+def shadowed_rules(model: nn.Module, rules: Sequence[RuleSettings], attention: str | None = None) -> list[str]:
     """Rules that never apply because earlier ones take every layer they match (the first matching
     rule wins): a ConfigError when the rule's format differs (what it asks for would not happen),
-    else a warning line (it repeats an earlier rule: a no-op)."""
-    linears = linear_layers(model)
+    else a warning line (it repeats an earlier rule: a no-op). `attention`: plan_layers'."""
+    linears = planned_modules(model, attention)
     matches = [[n for n in linears if fnmatchcase(n, rule.match)] for rule in rules]
     first: dict[str, int] = {}  # each matched layer's deciding rule: the first that matches it
     for j, names in enumerate(matches):
@@ -194,19 +227,21 @@ def gemm_formats(fmt: str, recipe: Recipe) -> list[str]:
     return [f for f in dict.fromkeys(recipe.gemms(fmt).values()) if f != HIGH]
 
 
-def layer_table(plan: dict[str, str], shown: int = 4) -> list[str]:
-    """The plan as a few lines for the start of a run: each format, how many Linear layers compute
-    in it, and the first few of them (`high` last)."""
+def layer_table(plan: dict[str, str], shown: int = 4, title: str = "layers:") -> list[str]:
+    """The plan as a few lines for the start of a run: each format, how many Linear layers (or
+    attention cores: `title`) compute in it, and the first few of them (`high` last)."""
     by_format: dict[str, list[str]] = {}
     for name, fmt in plan.items():
         by_format.setdefault(fmt, []).append(name)
     order = sorted(by_format, key=lambda f: f == HIGH)  # stable: formats in model order, high last
     width = max(len(f) for f in order) if order else 0
+    indent = max(8, len(title) + 1)
     lines = []
     for i, fmt in enumerate(order):
         names = by_format[fmt]
         listed = ", ".join(names[:shown]) + (f", +{len(names) - shown} more" if len(names) > shown else "")
-        lines.append(f"{'layers:' if i == 0 else '':8}{fmt:{width}}  {len(names):3d}  {listed}")
+        lines.append(f"{title if i == 0 else '':{indent}}{fmt:{width}}  {len(names):3d}  {listed}")
     if any("-" in fmt for fmt in order):
-        lines.append(f"{'':8}(a-b-c: the formats of the forward, input-gradient and weight-gradient GEMMs)")
+        gemms = "forward, input-gradient and weight-gradient" if title == "layers:" else "forward and backward"
+        lines.append(f"{'':{indent}}({'a-b-c' if title == 'layers:' else 'a-b'}: the formats of the {gemms} GEMMs)")
     return lines

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from halfprec.errors import PrecisionMismatch
+from halfprec.numerics.attention import attention_label
 from halfprec.numerics.converters import CONVERTERS, Conversion, layer_format
 from halfprec.numerics.evaluation import EvalPrecision, eval_note, eval_precisions
-from halfprec.numerics.layers import plan_precision, recipe_reach
+from halfprec.numerics.layers import attention_cores, plan_precision, recipe_reach
 from halfprec.numerics.quantized import gemm_label
 from halfprec.numerics.schedule import PrecisionSchedule, build_schedule
 from halfprec.numerics.settings import HIGH, PrecisionSettings
@@ -41,6 +42,7 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype  # trainer=fsdp: dtype gradients are reduce-scattered in
     steps: int | None = None  # trainer.max_steps: where a schedule's fractions fall (None: a tool's few steps)
     layers: dict[str, str] = field(default_factory=dict)  # Linear layer -> its formats (gemm_label) or high
+    attention: dict[str, str] = field(default_factory=dict)  # attention core -> its formats (attention_label) or high
     notes: list[str] = field(default_factory=list)  # what the start of a run says of the plan (recipe_reach)
     schedule: PrecisionSchedule | None = None  # precision.schedule's phases over the swapped layers
     evals: list[EvalPrecision] = field(default_factory=list)  # precision.eval planned on the model
@@ -114,17 +116,23 @@ class PrecisionPolicy:
         converters), before any wrapping (DDP, FSDP2, torch.compile). Return the plan: each Linear's
         format or high."""
         p = self.config
-        if not (p.format or any(r.format != HIGH for r in p.rules) or p.schedule):
+        if not (p.format or any(r.format != HIGH for r in p.rules) or p.schedule or p.attention.format):
             return {}
         converter = CONVERTERS[p.kernel]
         plan, warnings = plan_precision(model, p, converter.fits, converter.unfit)
         converted = plan
+        cores = set(attention_cores(model))
         if p.schedule:
-            converted, self.schedule = build_schedule(plan, p.schedule, p.recipe, self.steps or 0)
-        reach = recipe_reach(list(dict.fromkeys(f for f in converted.values() if f != HIGH)), p.recipe)
+            converted, self.schedule = build_schedule(plan, p.schedule, p.recipe, self.steps or 0, p.attention, cores)
+        reach = recipe_reach(list(dict.fromkeys(f for n, f in converted.items() if f != HIGH and n not in cores)),
+                             p.recipe)  # fmt: skip
         how = Conversion(p, seed, rank, self.device_type, self.steps)
         self.notes = [*warnings, *reach, *converter.convert(model, converted, how)]
-        self.layers = {name: HIGH if f == HIGH else gemm_label(p.recipe.gemms(f)) for name, f in plan.items()}
+        for name, f in plan.items():
+            if name in cores:
+                self.attention[name] = HIGH if f == HIGH else attention_label(p.attention.gemms(f))
+            else:
+                self.layers[name] = HIGH if f == HIGH else gemm_label(p.recipe.gemms(f))
         if self.schedule is not None:
             self.enter_phase(model, 0)
         return converted
@@ -142,7 +150,8 @@ class PrecisionPolicy:
         first-step check and the switch rows compare them with."""
         assert self.schedule is not None
         self.schedule.apply(model, phase)
-        self.layers |= self.schedule.labels(phase)
+        for name, label in self.schedule.labels(phase).items():
+            (self.attention if name in self.attention else self.layers)[name] = label
 
     def check(self, model: nn.Module, observed: set[torch.dtype], master: list[torch.Tensor]) -> dict:
         """Compare what the first step really did against the policy; raise on a mismatch."""
@@ -176,13 +185,15 @@ class PrecisionPolicy:
         it back or wrapped it away); the counts per format, `precision/layers/<format>`, and what
         computes them, `precision/kernel`: emulated (QuantizedLinear) or torchao (Float8Linear)."""
         kernel = CONVERTERS[self.config.kernel].reports_as
-        counts: dict[str, str | int] = {"precision/kernel": kernel} if self.layers else {}
-        for name, planned in self.layers.items():
-            found = layer_format(model.get_submodule(name))
-            if found != planned:
-                raise PrecisionMismatch(f"precision={self.name}: layer {name} computes in {found}, expected {planned}")
-            key = f"precision/layers/{planned}"
-            counts[key] = int(counts.get(key, 0)) + 1
+        counts: dict[str, str | int] = {"precision/kernel": kernel} if self.layers or self.attention else {}
+        for kind, plan in (("layers", self.layers), ("attention", self.attention)):
+            for name, planned in plan.items():
+                found = layer_format(model.get_submodule(name))
+                if found != planned:
+                    mismatch = f"layer {name} computes in {found}, expected {planned}"
+                    raise PrecisionMismatch(f"precision={self.name}: {mismatch}")
+                key = f"precision/{kind}/{planned}"
+                counts[key] = int(counts.get(key, 0)) + 1
         return counts
 
 

@@ -116,6 +116,8 @@ class QuantizedLinear(nn.Linear):
     unbroken one would. With `stats` a dict, each forward and backward adds its quantization
     statistics to it (diagnostics steps)."""
 
+    eager_under_compile = True  # keep_eager
+
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, recipe: Recipe, seed: int,
                  device: Any = None, dtype: torch.dtype | None = None, compiled: bool = False,
                  accumulate: str = accumulate.EXACT):  # fmt: skip
@@ -379,16 +381,19 @@ class Operand(NamedTuple):
     scale_block: int = 0
 
     def t(self) -> Operand:
-        def flip(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.t()
+        """The operand transposed (its last two dimensions: each matrix of a batch)."""
 
-        return self._replace(values=self.values.T, factor=flip(self.factor), scales=flip(self.scales))
+        def flip(x: torch.Tensor | None) -> torch.Tensor | None:
+            return x if x is None or x.dim() < 2 else x.transpose(-2, -1)
+
+        return self._replace(values=self.values.transpose(-2, -1), factor=flip(self.factor), scales=flip(self.scales))
 
 
 def gemm(a: Operand, b: Operand, accumulation: Accumulation | None = None) -> torch.Tensor:
     """a @ b in fp32: the product of the values with fp32 accumulation, times the two factors (their
     product first, as cuBLAS takes one alpha and DeepGEMM one scale per chunk); with a modelled
-    `accumulation`, summed as its tensor cores sum (modelled)."""
+    `accumulation`, summed as its tensor cores sum (matrices only). Matrices, or batches of them with
+    the same leading dimensions (attention's batch x heads)."""
     if accumulation is not None and not accumulation.exact:
         return modelled(a, b, accumulation)
     block = a.block or b.block
@@ -403,17 +408,17 @@ def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
     """a @ b with scales per `size` values of the contraction, as DeepSeek-V3 promotes them: each
     chunk's product scaled by its scales and the chunks summed in fp32. One batched GEMM, whatever the
     contraction's length, at the cost of two chunks x M x N fp32 temporaries."""
-    m, k = a.values.shape
+    k = a.values.shape[-1]
     pad = -k % size
     chunks = (k + pad) // size
-    av = F.pad(a.values, (0, pad)).reshape(m, chunks, size).transpose(0, 1)
-    bv = F.pad(b.values, (0, 0, 0, pad)).reshape(chunks, size, -1)
-    partial = product(av, bv, a.bf16 and b.bf16)  # chunks x m x n
+    av = F.pad(a.values, (0, pad)).unflatten(-1, (chunks, size)).transpose(-3, -2)
+    bv = F.pad(b.values, (0, 0, 0, pad)).unflatten(-2, (chunks, size))
+    partial = product(av, bv, a.bf16 and b.bf16)  # (batch x) chunks x m x n
     # a's factor: per (row, chunk), per row or per tensor; b's: per (chunk, column), per column or tensor
-    fa = None if a.factor is None else (a.factor if a.factor.dim() == 0 else a.factor.t().unsqueeze(-1))
-    fb = None if b.factor is None else (b.factor if b.factor.dim() == 0 else b.factor.unsqueeze(1))
+    fa = None if a.factor is None else (a.factor if a.factor.dim() == 0 else a.factor.transpose(-2, -1).unsqueeze(-1))
+    fb = None if b.factor is None else (b.factor if b.factor.dim() == 0 else b.factor.unsqueeze(-2))
     scale = times(fa, fb)
-    return (partial if scale is None else partial.mul_(scale)).sum(0)
+    return (partial if scale is None else partial.mul_(scale)).sum(-3)
 
 
 def modelled(a: Operand, b: Operand, acc: Accumulation) -> torch.Tensor:
@@ -504,6 +509,8 @@ def product(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> torch.Tensor:
     conversion is exact), the GEMM takes them as bf16 with fp32 sums and output: on a GPU through
     out_dtype, on a CPU with bf16 units through oneDNN's bf16 math mode (mm's out_dtype is CUDA-only,
     and a bf16 GEMM would round its output to bf16)."""
+    if bf16 and a.device.type == "cuda" and a.dim() > 3:  # bmm takes one batch dimension
+        return product(a.flatten(0, -3), b.flatten(0, -3), bf16).unflatten(0, a.shape[:-2])
     if bf16 and a.device.type == "cuda":
         return (torch.mm if a.dim() == 2 else torch.bmm)(a.bfloat16(), b.bfloat16(), out_dtype=torch.float32)
     if bf16 and a.device.type == "cpu" and cpu_bf16():
@@ -555,5 +562,5 @@ def keep_eager(model: nn.Module) -> None:
     `@torch.compiler.disable` on the class, which imports torch._dynamo at import: config validation
     imports this module, and a config error should not wait for dynamo."""
     for layer in model.modules():
-        if isinstance(layer, QuantizedLinear):
-            layer.forward = torch.compiler.disable(layer.forward)  # type: ignore[method-assign]
+        if getattr(layer, "eager_under_compile", False):  # QuantizedLinear, numerics/attention's QuantizedAttention
+            layer.forward = torch.compiler.disable(layer.forward)

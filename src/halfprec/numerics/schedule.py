@@ -9,20 +9,23 @@ a diagnostics step on which its condition held, and never before the phase liste
 applies on top of the ones begun before it: the formats at a step are the recipe's, then every begun
 phase's in order. A phase's layers are those its `match` glob names, else those precision.format
 and the rules quantize; every layer some phase quantizes is a QuantizedLinear from the start (its
-GEMMs high until then). The steps phases began are the schedule's state, kept in checkpoints: a
-resumed run has the formats, and logs the switches, of an unbroken one.
+GEMMs high until then). Quantized attention cores (precision.attention) are such layers too: a
+phase's `forward` is attention's forward GEMMs, `dgrad` or `wgrad` its backward ones. The steps
+phases began are the schedule's state, kept in checkpoints: a resumed run has the formats, and logs
+the switches, of an unbroken one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from torch import nn
 
 from halfprec.errors import ConfigError
+from halfprec.numerics.attention import ATTENTION_GEMMS, AttentionRecipe, QuantizedAttention, attention_label
 from halfprec.numerics.quantized import GEMMS, QuantizedLinear, Recipe, gemm_label
 from halfprec.numerics.settings import HIGH, PhaseSettings
 
@@ -56,12 +59,13 @@ class PrecisionSchedule:
         gemms = {name: dict(formats) for name, formats in self.base.items()}
         for spec, names in zip(self.phases[:phase], self.targets):
             for name in names:
-                gemms[name].update(dict.fromkeys(spec.gemms, spec.format))
+                gemms[name].update(dict.fromkeys(own_gemms(spec.gemms, gemms[name]), spec.format))
         return gemms
 
     def labels(self, phase: int) -> dict[str, str]:
-        """Each converted layer's formats in one word (quantized.gemm_label), as the logs show them."""
-        return {name: gemm_label(formats) for name, formats in self.gemms_at(phase).items()}
+        """Each converted layer's formats in one word (quantized.gemm_label, attention_label), as the
+        logs show them."""
+        return {name: label(formats) for name, formats in self.gemms_at(phase).items()}
 
     def advance(self, step: int) -> bool:
         """Begin the phases set to begin by `step` (a trigger's begins when it fires: fire); True when
@@ -88,7 +92,7 @@ class PrecisionSchedule:
         """Set each converted layer's GEMMs to their formats once `phase` phases have begun."""
         for name, formats in self.gemms_at(phase).items():
             layer = model.get_submodule(name)
-            assert isinstance(layer, QuantizedLinear)
+            assert isinstance(layer, (QuantizedLinear, QuantizedAttention))
             layer.gemms = formats
 
     def describe(self, i: int) -> str:
@@ -107,6 +111,18 @@ class PrecisionSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.began = [int(step) for step in state["began"]]
+
+
+def own_gemms(gemms: Sequence[str], formats: dict[str, str]) -> list[str]:
+    """A phase's GEMMs (a Linear layer's) as a layer with `formats` names them: an attention core's
+    forward for the forward, its backward for dgrad or wgrad."""
+    if "backward" not in formats:
+        return list(gemms)
+    return list(dict.fromkeys("forward" if g == "forward" else "backward" for g in gemms))
+
+
+def label(formats: dict[str, str]) -> str:
+    return attention_label(formats) if "backward" in formats else gemm_label(formats)
 
 
 def conversion_plan(plan: dict[str, str], phases: Sequence[PhaseSettings]) -> tuple[dict[str, str], list[list[str]]]:
@@ -134,12 +150,20 @@ def conversion_plan(plan: dict[str, str], phases: Sequence[PhaseSettings]) -> tu
     return converted, targets
 
 
-def build_schedule(
-    plan: dict[str, str], phases: Sequence[PhaseSettings], recipe: Recipe, max_steps: int
-) -> tuple[dict[str, str], PrecisionSchedule]:
+def build_schedule(plan: dict[str, str], phases: Sequence[PhaseSettings], recipe: Recipe, max_steps: int,
+                   attention: AttentionRecipe | None = None,
+                   cores: Collection[str] = ()) -> tuple[dict[str, str], PrecisionSchedule]:  # fmt: skip
     """The layers to convert and the schedule over them, from `plan` (numerics/layers.py's): a layer
-    the plan keeps high has every GEMM high until a phase says otherwise."""
+    the plan keeps high has every GEMM high until a phase says otherwise. `cores`: the plan's
+    attention cores, whose GEMMs `attention` (precision.attention) gives."""
     converted, targets = conversion_plan(plan, phases)
-    high = dict.fromkeys(GEMMS, HIGH)
-    base = {n: recipe.gemms(plan[n]) if plan[n] != HIGH else dict(high) for n, f in converted.items() if f != HIGH}
+    base = {}
+    for name, fmt in converted.items():
+        if fmt == HIGH:
+            continue
+        core = name in cores and attention is not None
+        if plan[name] == HIGH:
+            base[name] = dict.fromkeys(ATTENTION_GEMMS if core else GEMMS, HIGH)
+        else:
+            base[name] = attention.gemms(plan[name]) if core and attention else recipe.gemms(plan[name])
     return converted, PrecisionSchedule(phases, base, targets, max_steps)

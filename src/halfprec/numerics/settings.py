@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from halfprec.numerics.attention import AttentionRecipe
     from halfprec.numerics.quantized import Recipe
 
 HIGH = "high"  # not quantized: a layer, or one of its GEMMs, computes in the run's autocast or parameter dtype
@@ -82,3 +83,5 @@ class PrecisionSettings(Protocol):
     # precision.accumulate: how the quantized layers' tensor cores sum (numerics/accumulate.py)
     @property
     def accumulate(self) -> str: ...
+    @property
+    def attention(self) -> AttentionRecipe: ...

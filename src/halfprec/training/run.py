@@ -135,7 +135,8 @@ def say_where(cfg: Config, run_dir: Path, resumed_from: Path | None, step: int, 
     settings that work but rarely do what was meant."""
     print(f"run dir: {run_dir}", file=sys.stderr)
     phases = [] if policy.schedule is None else policy.schedule.lines()
-    for line in [*model, optimizer_line(cfg.optim), *layer_table(policy.layers), *phases, *policy.notes]:
+    plan = [*layer_table(policy.layers), *layer_table(policy.attention, title="attention:")]
+    for line in [*model, optimizer_line(cfg.optim), *plan, *phases, *policy.notes]:
         print(line, file=sys.stderr)
     for line in config_warnings(cfg, policy.device_type):
         print(f"warning: {line}", file=sys.stderr)

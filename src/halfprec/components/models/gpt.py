@@ -1,7 +1,8 @@
 """A small GPT: token embeddings and positions (learned embeddings, GPT-2, or rotary ones, LLaMA),
-pre-norm blocks of causal self-attention (through torch's scaled_dot_product_attention) and an
-MLP, a final norm, and an output head, tied to the token embedding or not. One code for
-model=gpt, gpt2 and llama (conf/model/). Written for reading: each module is a few lines."""
+pre-norm blocks of causal self-attention (torch's scaled_dot_product_attention, in a core module
+that precision.attention may swap for a quantized one) and an MLP, a final norm, and an output
+head, tied to the token embedding or not. One code for model=gpt, gpt2 and llama (conf/model/).
+Written for reading: each module is a few lines."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from halfprec.components.models import register_model
 from halfprec.errors import ConfigError
+from halfprec.numerics.attention import ScaledDotProduct
 from halfprec.spec import Spec
 
 
@@ -72,7 +74,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float, qk_norm: bool, layout: Layout,
                  rope: Rotary | None = None):  # fmt: skip
         super().__init__()
-        self.n_head, self.dropout = n_head, dropout
+        self.n_head = n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=layout.bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=layout.bias)  # into the residual stream
         head = n_embd // n_head
@@ -80,6 +82,9 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = layout.create_norm(head) if qk_norm else nn.Identity()
         self.k_norm = layout.create_norm(head) if qk_norm else nn.Identity()
         self.rope = rope  # the model's one Rotary, shared by every block (its buffers are no parameters)
+        # torch's fused attention, a module of its own: rules name it (blocks.N.attn.core) and
+        # precision.attention swaps it for one whose GEMMs compute in a format
+        self.core = ScaledDotProduct(dropout)
         self.resid_drop = nn.Dropout(dropout)
         # diagnostics=grads turns this on for its steps: the largest attention logit is then kept
         self.record_logits = False
@@ -95,8 +100,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rope(q), self.rope(k)
         if self.record_logits:
             self.keep_logit_max(q, k)
-        dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = self.core(q, k, v)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(batch, time, width)))
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """precision.kernel=emulated: QuantizedLinear, every format of numerics/formats and every recipe
-switch on any device, its GEMMs on the formats' exact values (numerics/quantized.py). Its own key:
-precision.quantizer (quantizer_for)."""
+switch on any device, its GEMMs on the formats' exact values (numerics/quantized.py), and
+QuantizedAttention for precision.attention (numerics/attention.py). Its own key: precision.quantizer
+(quantizer_for)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import zlib
 
 from torch import nn
 
+from halfprec.errors import ConfigError
+from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct, attention_label
 from halfprec.numerics.converters import Conversion, Converter, register_converter
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_label, gemm_note
 from halfprec.numerics.settings import HIGH
@@ -27,11 +30,14 @@ class EmulatedConverter(Converter):
 
     def convert(self, model: nn.Module, plan: dict[str, str], how: Conversion) -> list[str]:
         compiled = quantizer_for(how.precision.quantizer, how.device_type, how.steps) == "compiled"
-        swap_emulated(model, plan, how.precision.recipe, how.seed, how.rank, compiled, how.precision.accumulate)
+        p = how.precision
+        swap_emulated(model, plan, p.recipe, how.seed, how.rank, compiled, p.attention, p.accumulate)
         notes = [gemm_note(how.device_type)]
         return [*notes, COMPILED_NOTE] if compiled else notes
 
     def layer_format(self, module: nn.Module) -> str | None:
+        if isinstance(module, QuantizedAttention):
+            return attention_label(module.gemms)
         return gemm_label(module.gemms) if isinstance(module, QuantizedLinear) else None
 
 
@@ -45,16 +51,25 @@ def quantizer_for(choice: str, device_type: str, steps: int | None = None) -> st
     return choice
 
 
-def swap_emulated(
-    model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int, compiled: bool = False,
-    accumulate: str = "exact",
-) -> None:  # fmt: skip
+def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int,
+                  compiled: bool = False, attention: AttentionRecipe | None = None,
+                  accumulate: str = "exact") -> None:  # fmt: skip
     """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters; `compiled`:
-    its quantizers through torch.compile; `accumulate`: precision.accumulate (numerics/accumulate.py)."""
+    its quantizers through torch.compile; `accumulate`: precision.accumulate (numerics/accumulate.py).
+    Each planned attention core a QuantizedAttention (`attention`: precision.attention), which has no
+    dropout."""
     for name, fmt in plan.items():
         if fmt == HIGH:
             continue
         linear = model.get_submodule(name)
+        if isinstance(linear, ScaledDotProduct):
+            if linear.dropout:
+                raise ConfigError("model.dropout", linear.dropout, "quantized attention (precision.attention) has no "
+                                  "dropout of its attention weights: set model.dropout=0")  # fmt: skip
+            core = QuantizedAttention(fmt, attention or AttentionRecipe(fmt), recipe.for_format(fmt),
+                                      layer_seed(seed, name, rank))  # fmt: skip
+            model.set_submodule(name, core)
+            continue
         assert isinstance(linear, nn.Linear)
         seeded = layer_seed(seed, name, rank)
         layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), seeded, compiled, accumulate)

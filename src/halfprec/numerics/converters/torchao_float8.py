@@ -40,6 +40,9 @@ class TorchaoFloat8Converter(Converter):
                 KEY, "native", f"torchao has no training kernel for format={p.format} with recipe.grad_format="
                 f"{p.recipe.grad_format or 'null'} (it has: {have}): use precision.kernel=emulated",
             )  # fmt: skip
+        if p.attention.format is not None:
+            raise ConfigError(KEY, "native", "torchao has no quantized attention kernel: use precision.kernel=emulated "
+                              "for precision.attention, or precision.attention.format=null")  # fmt: skip
         switches = [f"recipe.{k}" for k in LACKS if getattr(p.recipe, k)] + ["schedule"] * bool(p.schedule)
         switches += ["recipe.backward_source=forward"] * (p.recipe.backward_source != "high")  # it keeps x and W
         others = [r.format for r in p.rules if r.format not in (HIGH, p.format)]

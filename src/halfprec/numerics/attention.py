@@ -1,0 +1,173 @@
+"""Attention whose GEMMs compute on the values of a number format, emulated on any device
+(precision.attention; docs/design.md, "Number formats").
+
+A model's attention is a parameter-free core module (`ScaledDotProduct`: torch's fused
+scaled_dot_product_attention); the emulated converter swaps it for a `QuantizedAttention`, which
+computes it explicitly. For each batch and head (Q, K, V: tokens x d, s = 1/sqrt(d), causal), as
+FlashAttention does, with the GEMMs on quantized operands and the rest in fp32:
+
+    forward    S  = q(Q along d) q(K along d)^T           P = softmax(s S, causal mask)
+               O  = q(P along keys) q(V along keys)
+    backward   dV = q(P along queries)^T q(dO along queries)
+               dP = q(dO along d) q(V along d)^T           dS = s P (dP - rowsum(dO O))
+               dQ = q(dS along keys) q(K along keys)
+               dK = q(dS along queries)^T q(Q along queries)
+
+each operand blocked along the dimension its GEMM contracts (as cuDNN's MXFP8 attention: Q and K
+along d, P and V along the keys) and multiplied by quantized.gemm, batched over batch x heads.
+rowsum(dO O) is FlashAttention's and cuDNN's form of rowsum(P dP), from the output as returned.
+P is kept for the backward (FlashAttention recomputes it: the same values, less memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from halfprec.numerics.formats import FORMATS, quantize
+from halfprec.numerics.formats.hadamard import random_hadamard, rotate
+from halfprec.numerics.quantized import Operand, Recipe, gemm
+from halfprec.numerics.settings import HIGH
+from halfprec.spec import Spec
+
+ATTENTION_GEMMS = ("forward", "backward")  # S = QK^T and O = PV; dV, dP, dQ, dK
+ATTENTION_DOC = "null = precision.attention.format; high = unquantized; or a format for its GEMMs' operands"
+
+
+@dataclass(frozen=True)
+class AttentionRecipe:
+    """`precision.attention`'s keys, declared here alone (config validation reads their types and docs;
+    conf/precision/fp32.yaml gives every option its values). The defaults are attention as before
+    the key existed: torch's fused attention, unquantized."""
+
+    format: Annotated[
+        str | None, Spec(doc="the number format of attention's GEMMs, e.g. mxfp8; null = torch's fused attention")
+    ] = None
+    forward: Annotated[str | None, Spec(doc=f"S = QK^T and O = PV: {ATTENTION_DOC}")] = None
+    backward: Annotated[str | None, Spec(doc=f"dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q: {ATTENTION_DOC}")] = (
+        None
+    )
+    hadamard: Annotated[
+        bool, Spec(doc="FlashAttention-3's random-sign Hadamard transform of Q and K along the head dimension")
+    ] = False
+
+    def gemms(self, fmt: str) -> dict[str, str]:
+        """What the forward and the backward GEMMs of an attention in `fmt` compute in: a format, or high."""
+        return {g: getattr(self, g) or fmt for g in ATTENTION_GEMMS}
+
+
+def attention_label(gemms: dict[str, str]) -> str:
+    """An attention's formats in one word: the format when both share one, else forward-backward."""
+    return gemms["forward"] if gemms["forward"] == gemms["backward"] else f"{gemms['forward']}-{gemms['backward']}"
+
+
+class ScaledDotProduct(nn.Module):
+    """Causal attention of (batch, heads, tokens, d) queries, keys and values through torch's fused
+    scaled_dot_product_attention, its attention weights dropped out with probability `dropout` in
+    training. A module of its own (no parameters, no state) so that rules can name it and a
+    converter swap it."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+
+
+class QuantizedAttention(ScaledDotProduct):
+    """Causal attention computed explicitly with its GEMMs in `format` (the module docstring); `gemms`
+    says what its forward and backward GEMMs compute in (a precision schedule may change it). The
+    recipe's grad_format gives the gradient operands (dO, dS) their format where the backward keeps
+    the attention's, and its scale_rule the MX scales. With `hadamard`, Q and K are rotated along d
+    for S = QK^T by a random-sign Hadamard matrix drawn from `seed` (the largest power of two dividing
+    d: the whole head where d is one, as FlashAttention-3 does). No dropout (a ConfigError)."""
+
+    eager_under_compile = True  # quantized.keep_eager
+
+    def __init__(self, fmt: str, attention: AttentionRecipe, recipe: Recipe, seed: int):
+        super().__init__()
+        self.format, self.attention, self.recipe, self.seed = fmt, attention, recipe, seed
+        self.gemms = attention.gemms(fmt)
+        self.hadamard_matrix: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return QuantizedAttentionFunction.apply(q, k, v, self)
+
+    def extra_repr(self) -> str:
+        return f"format={self.format}, forward={self.gemms['forward']}, backward={self.gemms['backward']}, " + (
+            f"hadamard={self.attention.hadamard}"
+        )
+
+    def operand(self, t: torch.Tensor, gemm_group: str, axis: int, high: torch.dtype, grad: bool = False) -> Operand:
+        """`t` (batch x heads flattened, tokens, d) as a GEMM of `gemm_group` takes it: blocked along
+        `axis` in its format, in fp32, its outer scale split off for the GEMM's output; where the
+        GEMM is high, rounded to `high` (the run's compute dtype). `grad`: a gradient operand."""
+        name = self.gemms[gemm_group]
+        if grad and name == self.format and self.recipe.grad_format:
+            name = self.recipe.grad_format
+        if name == HIGH:  # fp32 for the 16-bit dtypes; fp64 stays (a gradient check's)
+            return Operand(t.to(high).to(torch.promote_types(high, torch.float32)), None, high == torch.bfloat16)
+        fmt = FORMATS[name]
+        rule = self.recipe.scale_rule if fmt.scale == "e8m0" else "floor"
+        q = quantize(t, name, axis, scale_rule=rule, split=True)
+        block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
+        return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
+
+    def rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q and K for S = QK^T: with `hadamard` (and a quantized forward), both rotated along d by the
+        same orthogonal matrix, which leaves QK^T unchanged in exact arithmetic."""
+        if not self.attention.hadamard or self.gemms["forward"] == HIGH:
+            return q, k
+        if self.hadamard_matrix is None:  # one per layer, drawn from its seed
+            d = q.shape[-1]
+            self.hadamard_matrix = random_hadamard(d & -d, torch.Generator().manual_seed(self.seed))
+        return rotate(q.float(), self.hadamard_matrix, -1), rotate(k.float(), self.hadamard_matrix, -1)
+
+
+def causal_softmax(s: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale * s) over the keys, each query seeing itself and the keys before it, in fp32."""
+    time = s.shape[-1]
+    causal = torch.ones(time, time, dtype=torch.bool, device=s.device).tril()
+    return torch.softmax((s * scale).masked_fill(~causal, float("-inf")), dim=-1)
+
+
+class QuantizedAttentionFunction(torch.autograd.Function):
+    """Causal attention and its gradients on quantized operands (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, core: QuantizedAttention) -> torch.Tensor:
+        device = q.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+        shape, scale = q.shape, 1 / math.sqrt(q.shape[-1])
+        q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # batch x heads as one batch dimension
+        with torch.autocast(device, enabled=False):
+            qr, kr = core.rotated(q3, k3)
+            s = gemm(core.operand(qr, "forward", -1, out_dtype), core.operand(kr, "forward", -1, out_dtype).t())
+            p = causal_softmax(s, scale)
+            o = gemm(core.operand(p, "forward", -1, out_dtype), core.operand(v3, "forward", -2, out_dtype))
+        o = o.to(out_dtype)
+        ctx.save_for_backward(q3, k3, v3, p, o)
+        ctx.core, ctx.shapes, ctx.scale, ctx.high = core, (q.shape, k.shape, v.shape), scale, out_dtype
+        return o.reshape(*shape[:-1], v.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, p, o = ctx.saved_tensors
+        core: QuantizedAttention = ctx.core
+        high, b = ctx.high, "backward"
+        do = grad.reshape(o.shape)
+        dv = gemm(core.operand(p, b, -2, high).t(), core.operand(do, b, -2, high, grad=True))
+        dp = gemm(core.operand(do, b, -1, high, grad=True), core.operand(v, b, -1, high).t())
+        rows = (do.to(p.dtype) * o.to(p.dtype)).sum(-1, keepdim=True)  # rowsum(P dP) in exact arithmetic
+        ds = p * (dp - rows) * ctx.scale
+        dq = gemm(core.operand(ds, b, -1, high, grad=True), core.operand(k, b, -2, high))
+        dk = gemm(core.operand(ds, b, -2, high, grad=True).t(), core.operand(q, b, -2, high))
+        dq, dk, dv = (g.to(t.dtype).reshape(shape) for g, t, shape in zip((dq, dk, dv), (q, k, v), ctx.shapes))
+        return dq, dk, dv, None

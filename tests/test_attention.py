@@ -1,0 +1,234 @@
+"""Attention's GEMMs in a number format (numerics/attention.py): the explicit attention against torch's
+fused one, each quantized GEMM against the product written out by hand with fake_quantize, the
+gradients against finite differences, the Hadamard transform of Q and K; the plan's rules and
+schedules reaching attention, the config's errors, and the CLI as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from halfprec.config import validate
+from halfprec.config.schema import Phase
+from halfprec.config.schema import QuantRule as Rule
+from halfprec.errors import ConfigError
+from halfprec.numerics import quantized
+from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct
+from halfprec.numerics.formats import fake_quantize as fq
+from halfprec.numerics.layers import plan_layers
+from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.schedule import build_schedule
+from halfprec.numerics.settings import HIGH
+
+from helpers import TRAIN, build_from, compose_cfg
+
+GPT = ["task=lm", "model.n_layer=2", "model.n_embd=16", "model.n_head=2", "model.block_size=16", "data.batch_size=4"]
+
+HIGH_GEMMS = AttentionRecipe(format="mxfp8", forward="high", backward="high")
+
+
+@pytest.fixture(autouse=True)
+def fp32_gemms(monkeypatch):
+    """The references here are fp32 or fp64 products; so are the core's (test_quantized.py's fixture)."""
+    monkeypatch.setattr(quantized, "cpu_bf16", lambda: False)
+
+
+def qkv(shape=(2, 3, 40, 32), dtype=torch.float32, seed=0, outlier=1.0):
+    """Queries, keys and values (batch, heads, tokens, d) that need gradients; `outlier`: a channel
+    of q that many times the others."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=dtype) for _ in range(3))
+    q[..., 3] *= outlier
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def attend(core: torch.nn.Module, q, k, v, seed=1):
+    """The core's output and the gradients of q, k, v for a random output gradient."""
+    out = core(q, k, v)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), grads, dout
+
+
+def core(fmt="mxfp8", **kwargs) -> QuantizedAttention:
+    return QuantizedAttention(fmt, AttentionRecipe(format=fmt, **kwargs), Recipe(), seed=5)
+
+
+def test_the_explicit_attention_in_high_precision_equals_torchs_fused_one():
+    q, k, v = qkv()
+    out, grads, _ = attend(QuantizedAttention("mxfp8", HIGH_GEMMS, Recipe(), 0), q, k, v)
+    want, want_grads, _ = attend(ScaledDotProduct(), q, k, v)
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
+def reference(q, k, v, dout, fmt):
+    """Each GEMM written out: its operands quantized by hand along the dimension it contracts
+    (fake_quantize, the outer scales included), multiplied in fp64; softmax and scaling explicit."""
+    q, k, v = (t.detach() for t in (q, k, v))
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = fq(q, fmt, -1).double() @ fq(k, fmt, -1).double().transpose(-2, -1)
+    causal = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    p = torch.softmax((s.float() * scale).masked_fill(~causal, float("-inf")), -1)
+    o = fq(p, fmt, -1).double() @ fq(v, fmt, -2).double()
+    dv = fq(p, fmt, -2).double().transpose(-2, -1) @ fq(dout, fmt, -2).double()
+    dp = fq(dout, fmt, -1).double() @ fq(v, fmt, -1).double().transpose(-2, -1)
+    ds = p * (dp.float() - (dout * o.float()).sum(-1, keepdim=True)) * scale
+    dq = fq(ds, fmt, -1).double() @ fq(k, fmt, -2).double()
+    dk = fq(ds, fmt, -2).double().transpose(-2, -1) @ fq(q, fmt, -2).double()
+    return o.float(), (dq.float(), dk.float(), dv.float())
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4", "fp8_e4m3_row", "fp8_block"])
+def test_each_quantized_gemm_equals_its_operands_quantized_by_hand(fmt):
+    q, k, v = qkv()
+    out, grads, dout = attend(core(fmt), q, k, v)
+    want, want_grads = reference(q, k, v, dout, fmt)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_blocking_p_and_v_along_another_axis_would_give_other_values():
+    """The reference can fail: P and V blocked along the queries and d instead of the keys."""
+    q, k, v = (t.detach() for t in qkv())
+    out = core("mxfp4")(q, k, v)
+    s = fq(q, "mxfp4", -1) @ fq(k, "mxfp4", -1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf")), -1)
+    torch.testing.assert_close(out, fq(p, "mxfp4", -1) @ fq(v, "mxfp4", -2), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, fq(p, "mxfp4", -2) @ fq(v, "mxfp4", -1), atol=1e-3)
+
+
+def test_the_gradients_are_the_derivatives_of_the_forward_in_fp64():
+    """Finite differences check the hand-written backward (softmax's, the scaling, the transposes)
+    where it is differentiable: with the GEMMs high (a format's rounding is piecewise constant, and
+    its backward passes gradients straight through it, as the hardware's does)."""
+    q, k, v = qkv(shape=(1, 2, 6, 4), dtype=torch.float64)
+    attention = QuantizedAttention("mxfp8", HIGH_GEMMS, Recipe(), 0)
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v), (q, k, v))
+
+
+def test_a_forward_or_backward_alone_quantized():
+    """forward=high keeps S and O exact; backward=high keeps the four gradient GEMMs exact."""
+    q, k, v = qkv()
+    want, want_grads, _ = attend(ScaledDotProduct(), q, k, v)
+    out, grads, _ = attend(core(forward="high"), q, k, v)
+    torch.testing.assert_close(out, want)
+    assert not torch.allclose(grads[0], want_grads[0], rtol=1e-3)
+    out, grads, dout = attend(core(backward="high"), q, k, v)
+    assert not torch.allclose(out, want, rtol=1e-3)
+
+
+def test_the_hadamard_leaves_qk_unchanged_and_changes_the_quantized_attention():
+    q, k, v = qkv(outlier=20.0)
+    rotating = core(hadamard=True)
+    qr, kr = rotating.rotated(q.detach(), k.detach())
+    assert not torch.allclose(qr, q)
+    torch.testing.assert_close(qr @ kr.transpose(-2, -1), q @ k.transpose(-2, -1), rtol=1e-5, atol=1e-4)
+    plain, _, _ = attend(core(), q, k, v)
+    rotated, _, _ = attend(rotating, q, k, v)
+    assert not torch.equal(plain, rotated)
+    # spread over the head, the outlier channel costs the other values of its blocks less: the
+    # logits' quantization error is smaller
+    q, k = q.detach(), k.detach()
+    exact = q @ k.transpose(-2, -1)
+    error = (fq(q, "mxfp8", -1) @ fq(k, "mxfp8", -1).transpose(-2, -1) - exact).norm()
+    assert (fq(qr, "mxfp8", -1) @ fq(kr, "mxfp8", -1).transpose(-2, -1) - exact).norm() < error
+
+
+def test_the_output_comes_in_the_autocast_dtype_and_gradients_in_the_inputs():
+    q, k, v = qkv(shape=(1, 2, 8, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = core()(q, k, v)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32
+
+
+# the plan, the config and the CLI
+
+
+def gpt(n_layer=3):
+    from halfprec.components.models.gpt import create_gpt
+
+    return create_gpt((16,), 50, n_layer=n_layer, n_embd=16, n_head=2, block_size=16)
+
+
+def test_rules_and_high_blocks_reach_attention_only_when_it_is_quantized():
+    model = gpt()
+    rules = [Rule("blocks.1.*", "nvfp4")]
+    off = plan_layers(model, "mxfp8", rules, high_first=1)
+    assert not any(name.endswith(".core") for name in off)  # torch's fused attention throughout
+    on = plan_layers(model, "mxfp8", rules, high_first=1, attention="mxfp4")
+    cores = {name: fmt for name, fmt in on.items() if name.endswith(".core")}
+    assert cores == {"blocks.0.attn.core": HIGH, "blocks.1.attn.core": "nvfp4", "blocks.2.attn.core": "mxfp4"}
+    assert {n: f for n, f in on.items() if n in off} == off  # the Linear layers' plan is the same
+
+
+def test_a_rule_naming_only_attention_cores_wants_attention_quantized():
+    with pytest.raises(ConfigError, match=r"rules\[0\].match=\*.core: matches only attention cores.*attention.format"):
+        plan_layers(gpt(), "mxfp8", [Rule("*.core", "mxfp8")])
+
+
+def test_a_schedule_phase_reaches_attentions_forward_or_backward():
+    plan = {"blocks.0.attn.qkv": "mxfp8", "blocks.0.attn.core": "mxfp8"}
+    phases = [Phase(format=HIGH, gemms=["wgrad"], from_step=2), Phase(format="mxfp4", gemms=["forward"], from_step=3)]
+    recipe = AttentionRecipe(format="mxfp8")
+    _, schedule = build_schedule(plan, phases, Recipe(), 10, recipe, {"blocks.0.attn.core"})
+    assert schedule.labels(1) == {"blocks.0.attn.qkv": "mxfp8-mxfp8-high", "blocks.0.attn.core": "mxfp8-high"}
+    assert schedule.labels(2)["blocks.0.attn.core"] == "mxfp4-high"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["precision.attention.format=mxfp9"], r"precision.attention.format=mxfp9: no such number format"),
+        (["precision.attention.hadamard=true"], r"attention.hadamard=true: .*set precision.attention.format"),
+        (["precision=fp8", "precision.attention.format=mxfp8"], r"precision.kernel=native: torchao has no quantized"),
+        (["precision.attention=mxfp8"], r"precision.attention=mxfp8: a mapping of format"),
+        (["precision.attention.format=mxfp8", "precision.attention.forward=high", "precision.attention.backward=high"],
+         r"keeps every attention GEMM high"),
+    ],
+)  # fmt: skip
+def test_attention_settings_that_cannot_work_are_one_line_errors(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        validate(compose_cfg(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["precision=bf16", "precision.attention.format=mxfp8"], r"Sequential has no attention core"),  # the MLP
+        ([*GPT, "precision=bf16", "precision.attention.format=mxfp8", "model.dropout=0.1"], r"model.dropout=0.1"),
+    ],
+)
+def test_a_model_without_an_attention_core_or_with_dropout_is_an_error_at_build(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        build_from(*overrides)
+
+
+def test_the_converted_gpt_computes_attention_in_its_format():
+    c, _ = build_from(*GPT, "precision=bf16", "precision.attention.format=nvfp4", "precision.attention.backward=high")
+    core = c.model.get_submodule("blocks.0.attn.core")
+    assert isinstance(core, QuantizedAttention) and core.gemms == {"forward": "nvfp4", "backward": HIGH}
+    assert not any(isinstance(m, QuantizedLinear) for m in c.model.modules())  # precision.format is null
+    assert set(c.model.state_dict()) == set(build_from(*GPT, "precision=bf16")[0].model.state_dict())
+
+
+@pytest.mark.slow
+def test_cli_trains_the_gpt_with_attention_in_mxfp8(tmp_path):
+    """As a user runs it: the start table lists the attention cores, the first row counts them."""
+    args = [*GPT, "precision=mxfp8", "precision.attention.format=mxfp8", "precision.attention.hadamard=true",
+            "trainer.max_steps=2", "trainer.val_every=0", "logger=none", "trainer.progress=false",
+            f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    done = subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "attention: mxfp8    2  blocks.0.attn.core, blocks.1.attn.core" in done.stderr
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["precision/attention/mxfp8"] == 2 and math.isfinite(first["train/loss"])
