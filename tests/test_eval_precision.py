@@ -15,7 +15,8 @@ from test_resume import without_perf
 
 from halfprec.config import validate
 from halfprec.errors import ConfigError
-from halfprec.numerics.evaluation import eval_plan, layers_in
+from halfprec.numerics.attention import QuantizedAttention, ScaledDotProduct
+from halfprec.numerics.evaluation import eval_plan, eval_precisions, layers_in
 from halfprec.numerics.quantized import QuantizedLinear
 from halfprec.training.checkpoint import checkpoint_files, load_checkpoint
 from halfprec.training.metrics import evaluate_in
@@ -107,6 +108,29 @@ def test_the_plan_follows_the_rules_and_high_blocks_and_keeps_the_head_high():
     assert set(eval_plan(c.model, "high", rules).values()) == {"high"}
     with pytest.raises(ConfigError, match=r"^precision.eval=mxfp4: quantizes no Linear layer of GPT"):
         eval_plan(c.model, "mxfp4", [], high_first=1, high_last=1)
+
+
+def test_a_run_with_quantized_attention_evaluates_its_cores_in_each_entry_and_gets_them_back():
+    """precision.attention on: high is torch's fused attention in every core, a format quantizes the
+    cores the rules leave quantized (a rule naming a core alone is valid), and the very modules return."""
+    rule = "precision.rules=[{match: blocks.1.attn.core, format: high}]"
+    c, _ = build_from(*TINY, "precision=bf16", "precision.attention.format=mxfp8", rule)
+    cores = {n: c.model.get_submodule(n) for n in ("blocks.0.attn.core", "blocks.1.attn.core")}
+    assert (
+        type(cores["blocks.0.attn.core"]) is QuantizedAttention
+        and type(cores["blocks.1.attn.core"]) is not QuantizedAttention
+    )
+    p = c.stepper.policy.config
+    high, mxfp4 = eval_precisions(c.model, ["high", "mxfp4"], p.recipe, p.rules, attention=p.attention)
+    with layers_in(c.model, high):
+        assert all(type(c.model.get_submodule(n)) is ScaledDotProduct for n in cores)
+    with layers_in(c.model, mxfp4):
+        inside = {n: c.model.get_submodule(n) for n in cores}
+        assert (
+            type(inside["blocks.0.attn.core"]) is QuantizedAttention and inside["blocks.0.attn.core"].format == "mxfp4"
+        )
+        assert type(inside["blocks.1.attn.core"]) is ScaledDotProduct
+    assert all(c.model.get_submodule(n) is m for n, m in cores.items())
 
 
 @pytest.mark.parametrize(

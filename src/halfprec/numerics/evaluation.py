@@ -6,6 +6,8 @@ format of numerics/formats: post-training quantization of the weights and activa
 Linear layers the run's plan would quantize (precision.rules, high_first and high_last apply; a
 rule's format only says that a layer is quantized: every quantized layer takes the entry's format;
 the output head stays high), their forward GEMM as QuantizedLinear computes it, rounded to nearest.
+Where the run quantizes attention (precision.attention.format), its attention cores take the entry
+too: high is torch's fused attention, a format QuantizedAttention's GEMMs in it.
 
 `layers_in` swaps the layers for the evaluation, sharing their Parameters, and puts the very
 modules it found back after it: the training's layers, their counters and statistics are not
@@ -22,8 +24,9 @@ import torch
 from torch import nn
 
 from halfprec.errors import ConfigError
+from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct
 from halfprec.numerics.converters import layer_format
-from halfprec.numerics.layers import linear_layers, plan_layers
+from halfprec.numerics.layers import plan_layers, planned_modules
 from halfprec.numerics.quantized import QuantizedLinear, Recipe
 from halfprec.numerics.settings import HIGH, RuleSettings
 
@@ -40,6 +43,7 @@ class EvalPrecision:
     entry: str
     plan: dict[str, str]
     recipe: Recipe  # what the quantized layers' forward reads of it: scale_rule, weight_2d
+    attention: AttentionRecipe | None = None  # the attention cores' in the entry's format, where the run quantizes them
 
     @property
     def quantized(self) -> int:
@@ -47,13 +51,13 @@ class EvalPrecision:
 
 
 def eval_plan(model: nn.Module, entry: str, rules: Sequence[RuleSettings], high_first: int = 0,
-              high_last: int = 0) -> dict[str, str]:  # fmt: skip
-    """Each Linear layer's format in the evaluation `entry` (the module docstring); a ConfigError
-    naming precision.eval for a format that quantizes no layer of this model."""
-    linears = linear_layers(model)
+              high_last: int = 0, attention: str | None = None) -> dict[str, str]:  # fmt: skip
+    """Each Linear layer's format in the evaluation `entry` (the module docstring), and each attention
+    core's where the run quantizes attention (`attention`: its precision.attention.format); a
+    ConfigError naming precision.eval for a format that quantizes no layer of this model."""
     if entry == HIGH:
-        return dict.fromkeys(linears, HIGH)
-    plan = plan_layers(model, entry, rules, high_first, high_last)
+        return dict.fromkeys(planned_modules(model, attention), HIGH)
+    plan = plan_layers(model, entry, rules, high_first, high_last, attention=entry if attention else None)
     plan = {name: HIGH if f == HIGH else entry for name, f in plan.items()}
     if all(f == HIGH for f in plan.values()):
         raise ConfigError(
@@ -73,23 +77,39 @@ def eval_recipe(recipe: Recipe, entry: str) -> Recipe:
 
 
 def eval_precisions(model: nn.Module, entries: Sequence[str], recipe: Recipe, rules: Sequence[RuleSettings],
-                    high_first: int = 0, high_last: int = 0) -> list[EvalPrecision]:  # fmt: skip
-    """precision.eval's entries planned on `model` (its layers as the run computes them)."""
+                    high_first: int = 0, high_last: int = 0,
+                    attention: AttentionRecipe | None = None) -> list[EvalPrecision]:  # fmt: skip
+    """precision.eval's entries planned on `model` (its layers as the run computes them); `attention`:
+    the run's precision.attention (its cores take each entry too where it quantizes them)."""
+    on = attention.format if attention is not None else None
+    hadamard = attention is not None and attention.hadamard
     return [
-        EvalPrecision(e, eval_plan(model, e, rules, high_first, high_last), eval_recipe(recipe, e)) for e in entries
+        EvalPrecision(
+            e,
+            eval_plan(model, e, rules, high_first, high_last, on),
+            eval_recipe(recipe, e),
+            None if e == HIGH or not on else AttentionRecipe(e, hadamard=hadamard),
+        )  # fmt: skip
+        for e in entries
     ]
 
 
 def eval_note(precisions: Sequence[EvalPrecision]) -> str:
     """The start line saying what each validation adds."""
-    shown = ", ".join(p.entry if p.entry == HIGH else f"{p.entry} ({p.quantized} Linear layers)" for p in precisions)
+    shown = ", ".join(p.entry if p.entry == HIGH else f"{p.entry} ({p.quantized} layers)" for p in precisions)
     return f"eval: each validation also in {shown}: val/<metric>@<precision>"
 
 
-def eval_layer(module: nn.Module, fmt: str, recipe: Recipe) -> nn.Module:
-    """`module` (a Linear layer, plain or quantized) as the evaluation computes it in `fmt`, sharing its
-    Parameters: high is a plain nn.Linear (or the module itself, if it is not quantized); a format is
-    a QuantizedLinear. Built on the meta device: no memory, no random draws for an init."""
+def eval_layer(module: nn.Module, fmt: str, precision: EvalPrecision) -> nn.Module:
+    """`module` (a Linear layer or an attention core, plain or quantized) as the evaluation computes it
+    in `fmt`, sharing its Parameters: high is a plain nn.Linear or torch's fused attention (or the
+    module itself, if it is not quantized); a format is a QuantizedLinear or QuantizedAttention (the
+    core's seed kept: the same Hadamard). Built on the meta device: no memory, no random draws for an init."""
+    if isinstance(module, ScaledDotProduct):
+        if fmt == HIGH:
+            return module if type(module) is ScaledDotProduct else ScaledDotProduct()
+        assert precision.attention is not None
+        return QuantizedAttention(fmt, precision.attention, precision.recipe, getattr(module, "seed", 0))
     assert isinstance(module, nn.Linear)
     if fmt == HIGH and layer_format(module) == HIGH:
         return module
@@ -97,19 +117,21 @@ def eval_layer(module: nn.Module, fmt: str, recipe: Recipe) -> nn.Module:
     if fmt == HIGH:
         layer = nn.Linear(module.in_features, module.out_features, False, "meta", w.dtype)
     else:
-        layer = QuantizedLinear(module.in_features, module.out_features, False, fmt, recipe, 0, "meta", w.dtype)
+        layer = QuantizedLinear(
+            module.in_features, module.out_features, False, fmt, precision.recipe, 0, "meta", w.dtype
+        )
     layer.weight, layer.bias = module.weight, module.bias
     return layer
 
 
 @contextlib.contextmanager
 def layers_in(model: nn.Module, precision: EvalPrecision) -> Iterator[None]:
-    """Inside: the model's Linear layers as `precision` computes them; after: the modules that were
-    there, the very objects (a compiled model's guards see the same modules)."""
+    """Inside: the model's Linear layers (and attention cores) as `precision` computes them; after: the
+    modules that were there, the very objects (a compiled model's guards see the same modules)."""
     originals = {name: model.get_submodule(name) for name in precision.plan}
     try:
         for name, fmt in precision.plan.items():
-            model.set_submodule(name, eval_layer(originals[name], fmt, precision.recipe))
+            model.set_submodule(name, eval_layer(originals[name], fmt, precision))
         yield
     finally:
         for name, module in originals.items():

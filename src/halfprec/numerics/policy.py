@@ -142,7 +142,7 @@ class PrecisionPolicy:
         entry that quantizes nothing says so before the first step."""
         p = self.config
         if p.eval:
-            self.evals = eval_precisions(model, p.eval, p.recipe, p.rules, p.high_first, p.high_last)
+            self.evals = eval_precisions(model, p.eval, p.recipe, p.rules, p.high_first, p.high_last, p.attention)
             self.notes.append(eval_note(self.evals))
 
     def enter_phase(self, model: nn.Module, phase: int) -> None:
