@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from halfprec.loggers import Histogram
+from halfprec.numerics.attention import ATTENTION_OPERANDS, QuantizedAttention
 from halfprec.numerics.grads import full
 from halfprec.numerics.params import LowPrecisionParams, ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
@@ -27,6 +28,8 @@ from halfprec.numerics.quantized import OPERANDS, QuantizedLinear, what_if_sums
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
 FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf
+# the operands with statistics, in the order of a layer's keys: a Linear layer's, then an attention core's
+STAT_OPERANDS = tuple(dict.fromkeys([*OPERANDS, *ATTENTION_OPERANDS]))
 LOG2_RANGE = (-40, 20)  # histogram of log2|g|, one bin per power of two; values outside land in the end bins
 
 
@@ -59,6 +62,13 @@ class RecordsLogits(Protocol):
     logit_max: torch.Tensor | None
 
 
+@runtime_checkable
+class KeepsStats(Protocol):
+    """A quantized layer or attention core that sums its operands' statistics while `stats` is a dict."""
+
+    stats: dict[str, torch.Tensor] | None
+
+
 class Diagnostics:
     def __init__(self, cfg, model: nn.Module, params: ParamStrategy):
         self.every = int(cfg.every)
@@ -76,7 +86,8 @@ class Diagnostics:
         # attention layers that can record their logits' maximum (a GPT's)
         self.attention = [name for name, m in model.named_modules() if isinstance(m, RecordsLogits)]
         self._log_z: list[torch.Tensor] = []  # per micro-batch: [mean, max] of the output's log Z
-        self.quantized = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+        # the quantized Linear layers and attention cores, which keep statistics while their `stats` is a dict
+        self.quantized = [n for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedAttention))]
         self._quant: dict[str, dict[str, torch.Tensor]] = {}
         # bf16/fp16 weights that the update is rounded into (no fp32 masters): update_lost/<layer>
         self.rounded = params if isinstance(params, LowPrecisionParams) else None
@@ -182,8 +193,9 @@ class Diagnostics:
     @contextlib.contextmanager
     def watch_quantization(self) -> Iterator[None]:
         """Where the bits go: each quantized layer sums, over this step's micro-batches, the error
-        and the values lost to underflow and saturation of its operands (QuantizedLinear.record)."""
-        layers = [cast(QuantizedLinear, self.model.get_submodule(name)) for name in self.quantized]
+        and the values lost to underflow and saturation of its operands (QuantizedLinear.record; an
+        attention core's, QuantizedAttention.record)."""
+        layers = [cast(KeepsStats, self.model.get_submodule(name)) for name in self.quantized]
         for layer in layers:
             layer.stats = {}
         try:
@@ -235,7 +247,9 @@ class Diagnostics:
         quant, self._quant = self._quant, {}
         shadow, self._shadow = self._shadow, {}
         # (key prefix, layer, operand, sums): quantized layers in model order, then each shadow format's
-        cells = [("quant", layer, op, stats[op]) for layer, stats in quant.items() for op in OPERANDS if op in stats]
+        cells = [
+            ("quant", layer, op, stats[op]) for layer, stats in quant.items() for op in STAT_OPERANDS if op in stats
+        ]
         cells += [
             (f"shadow/{fmt}", layer, op, shadow[fmt, layer, op])
             for fmt in self.shadow
