@@ -18,12 +18,13 @@ from halfprec.config.schema import Phase
 from halfprec.config.schema import QuantRule as Rule
 from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
-from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct
+from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct, StochasticAttention
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.layers import plan_layers
-from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.quantized import QuantizedLinear, Recipe, quant_sums
 from halfprec.numerics.schedule import build_schedule
 from halfprec.numerics.settings import HIGH
+from halfprec.training.diagnostics import Diagnostics
 
 from helpers import TRAIN, build_from, compose_cfg
 
@@ -149,6 +150,97 @@ def test_the_output_comes_in_the_autocast_dtype_and_gradients_in_the_inputs():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert q.grad is not None and q.grad.dtype == torch.float32
+
+
+# statistics (diagnostics=grads) and stochastic rounding
+
+
+def mxfp4_sums(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """quant_sums of `t` and its mxfp4 fake_quantize along `axis`, the saturated values counted by hand:
+    those past E2M1's largest value, 6, times their block's floor scale 2^(floor(log2 amax) - 2)."""
+    t = t.detach().float()
+    blocks = t.movedim(axis, -1).unflatten(-1, (-1, 32)).abs()
+    scale = 2.0 ** (blocks.amax(-1, keepdim=True).log2().floor() - 2)
+    return quant_sums(t, fq(t, "mxfp4", axis), (blocks / scale > 6).sum())
+
+
+def stats_of(attention: QuantizedAttention, q, k, v):
+    """The statistics the core keeps over one forward and backward, and what it saw: P and dS by hand
+    (reference's, in fp32) and dO."""
+    attention.stats = {}
+    out, _, dout = attend(attention, q, k, v)
+    q, k, v, dout = (t.detach().flatten(0, 1) for t in (q, k, v, dout))
+    scale = 1 / math.sqrt(q.shape[-1])
+    quantized = attention.gemms["forward"] != HIGH
+    s = fq(q, "mxfp4", -1) @ fq(k, "mxfp4", -1).transpose(-2, -1) if quantized else q @ k.transpose(-2, -1)
+    p = torch.softmax((s * scale).masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf")), -1)
+    v_for_dp = fq(v, "mxfp4", -1) if attention.gemms["backward"] != HIGH else v
+    dp = fq(dout, "mxfp4", -1) @ v_for_dp.transpose(-2, -1)
+    ds = p * (dp - (dout * out.flatten(0, 1)).sum(-1, keepdim=True)) * scale
+    return attention.stats, (q, k, v, p, dout, ds)
+
+
+def test_the_cores_statistics_are_its_operands_quantized_by_hand():
+    """Each operand where first quantized, blocked as that GEMM blocks it: Q, K along d, P and V along
+    the keys (the forward's); dO along the queries (dV's), dS along the keys (dQ's)."""
+    q, k, v = qkv(shape=(1, 2, 64, 32), outlier=8.0)  # saturated values too
+    stats, (q3, k3, v3, p, dout, ds) = stats_of(core("mxfp4"), q, k, v)
+    assert list(stats) == ["query", "key", "probs", "value", "grad_output", "grad_scores"]
+    for name, t, axis in (("query", q3, -1), ("key", k3, -1), ("value", v3, -2), ("grad_output", dout, -2)):
+        assert torch.equal(stats[name], mxfp4_sums(t, axis)), name  # the tensors the core was given
+    torch.testing.assert_close(stats["probs"], mxfp4_sums(p, -1), rtol=1e-4, atol=0)
+    torch.testing.assert_close(stats["grad_scores"], mxfp4_sums(ds, -1), rtol=1e-4, atol=0)
+    assert stats["query"][5] > 0 and stats["probs"][4] > 0  # the outlier saturates; small weights underflow
+
+
+def test_with_the_forward_high_the_backward_records_q_k_v_and_p_and_with_both_high_nothing():
+    q, k, v = qkv(shape=(1, 2, 64, 32))
+    stats, (q3, k3, v3, p, _, _) = stats_of(core("mxfp4", forward="high"), q, k, v)
+    # as dK = dS^T Q, dQ = dS K, dP = dO V^T and dV = P^T dO block them
+    for name, t, axis in (("query", q3, -2), ("key", k3, -2), ("value", v3, -1)):
+        assert torch.equal(stats[name], mxfp4_sums(t, axis)), name
+    torch.testing.assert_close(stats["probs"], mxfp4_sums(p, -2), rtol=1e-4, atol=0)
+    stats, _ = stats_of(core("mxfp4", backward="high"), q, k, v)
+    assert set(stats) == {"query", "key", "value", "probs"}  # no gradient operand quantized
+
+
+def test_stochastic_grads_round_do_and_ds_from_the_cores_seed_and_resume_exactly():
+    recipe = Recipe(stochastic_grads=True)
+    q, k, v = qkv(shape=(1, 2, 16, 32))
+    cores = [StochasticAttention("mxfp4", AttentionRecipe(format="mxfp4"), recipe, seed=5) for _ in range(2)]
+    first = [attend(c, q, k, v)[1] for c in cores]
+    assert all(torch.equal(a, b) for a, b in zip(*first))  # seeded: the same draws
+    nearest = attend(core("mxfp4"), q, k, v)[1]
+    assert not torch.equal(first[0][0], nearest[0])
+    second = attend(cores[0], q, k, v)[1]  # the next backward pass draws anew
+    assert not torch.equal(second[0], first[0][0])
+    resumed = StochasticAttention("mxfp4", AttentionRecipe(format="mxfp4"), recipe, seed=5)
+    resumed.load_state_dict(cores[1].state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(attend(resumed, q, k, v)[1], second))
+
+
+def quant_row(*overrides: str) -> dict:
+    """The diagnostics row of the GPT's statistics (diagnostics=grads) over one forward and backward."""
+    c, cfg = build_from(*GPT, "precision=mxfp4", "diagnostics=grads", *overrides)
+    diag = Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    with diag.watch_quantization():
+        c.model(tokens).float().square().mean().backward()
+    return diag.collect()
+
+
+def test_diagnostics_log_the_attention_cores_beside_the_linear_layers():
+    """quant/<core>/<operand>/... keys for each core, in the model's mean; the Linear layers' keys as
+    without quantized attention."""
+    row, linear = quant_row("precision.attention.format=mxfp4"), quant_row()
+    cores = {key for key in row if ".core/" in key}
+    assert {k for k in row if k.startswith("quant/")} - cores == {k for k in linear if k.startswith("quant/")}
+    operands = ("query", "key", "value", "probs", "grad_output", "grad_scores")
+    stats = ("rel_err", "underflow", "saturated")
+    assert cores == {f"quant/blocks.{b}.attn.core/{o}/{s}" for b in (0, 1) for o in operands for s in stats}
+    errors = [v for k, v in row.items() if k.startswith("quant/") and k.endswith("/rel_err")]
+    assert row["diag/quant_rel_err"] == pytest.approx(sum(errors) / len(errors))
+    assert all(0 < row[k] < 1 for k in cores if k.endswith("/rel_err"))
 
 
 # the plan, the config and the CLI

@@ -15,6 +15,7 @@ from torch import nn
 
 from halfprec.config import validate
 from halfprec.errors import ConfigError
+from halfprec.numerics.attention import ScaledDotProduct, causal_softmax
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.training.diagnostics import Diagnostics
 from halfprec.training.run import run
@@ -25,9 +26,9 @@ GPT = ["task=lm", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model
 OPERANDS = ("input", "weight", "grad_output")
 
 
-def shadowed(model: nn.Module, formats: list[str]) -> Diagnostics:
-    """Diagnostics of `model` with the shadow formats alone (every step due)."""
-    cfg = SimpleNamespace(every=1, activations=False, skips=False, shadow=formats)
+def shadowed(model: nn.Module, formats: list[str], attention: bool = False) -> Diagnostics:
+    """Diagnostics of `model` with the shadow formats alone (every step due); `attention`: its cores too."""
+    cfg = SimpleNamespace(every=1, activations=False, skips=False, shadow=formats, shadow_attention=attention)
     names = [name for name, _ in model.named_parameters()]
     return Diagnostics(cfg, model, SimpleNamespace(names=names))  # type: ignore[arg-type]
 
@@ -80,6 +81,65 @@ def test_shadow_sums_over_micro_batches():
     assert row["shadow/mxfp4/0/weight/rel_err"] == pytest.approx(rel_err(linear.weight, "mxfp4"), rel=1e-6)
 
 
+class Attending(nn.Module):
+    """An attention core alone, as a GPT's block calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.core = ScaledDotProduct()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.core(q, k, v)
+
+
+def test_shadow_attention_by_hand_on_torchs_fused_attention():
+    """Q and K along d, V along the keys, dO along the queries; P and dS, which the fused attention
+    does not show, as autograd gives them for the scores S = QK^T."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 32, generator=gen) for _ in range(3))
+    dout = torch.randn(2, 2, 32, 32, generator=gen)
+    diag = shadowed(Attending(), ["mxfp4"], attention=True)
+    with diag.watch_shadow():
+        Attending.forward(diag.model, *(t.clone().requires_grad_() for t in (q, k, v))).backward(dout)
+    row = diag.collect()
+    scores = (q @ k.transpose(-2, -1)).requires_grad_()
+    p = causal_softmax(scores, 1 / math.sqrt(32))
+    (p @ v).backward(dout)
+    hand = {"query": q, "key": k, "value": v.transpose(-2, -1), "probs": p, "grad_output": dout.transpose(-2, -1),
+            "grad_scores": scores.grad}  # fmt: skip
+    for op, t in hand.items():
+        assert row[f"shadow/mxfp4/core/{op}/rel_err"] == pytest.approx(rel_err(t, "mxfp4"), rel=1e-5), op
+    assert row["shadow/mxfp4/core/probs/underflow"] > 0  # small weights flushed
+    assert not any(m._forward_hooks for m in diag.model.modules())
+
+
+def test_shadow_attention_on_a_quantized_core_equals_its_own_statistics():
+    """A GPT whose cores compute in mxfp4: the shadow of mxfp4 on Q, K, V and dO is what the cores
+    record of them (the same tensors, blocked alike); Linear layers log as without the switch."""
+    overrides = [*GPT, "precision=mxfp4", "precision.attention.format=mxfp4", "diagnostics=grads",
+                 "diagnostics.shadow=[mxfp4]"]  # fmt: skip
+    rows = {}
+    for on in (False, True):
+        c, cfg = build_from(*overrides, f"diagnostics.shadow_attention={on}")
+        diag = Diagnostics(cfg.diagnostics, c.model, c.stepper.params)
+        tokens = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0))
+        with diag.watch_quantization(), diag.watch_shadow():
+            c.model(tokens).float().square().mean().backward()
+        rows[on] = diag.collect()
+    row, core = rows[True], "blocks.0.attn.core"
+    for op in ("query", "key", "value", "grad_output"):
+        for stat in ("rel_err", "underflow", "saturated"):
+            assert row[f"shadow/mxfp4/{core}/{op}/{stat}"] == row[f"quant/{core}/{op}/{stat}"], (op, stat)
+    assert f"shadow/mxfp4/{core}/grad_scores/rel_err" in row
+    linear = {k: v for k, v in row.items() if k.startswith("shadow/") and ".core/" not in k}
+    assert linear == {k: v for k, v in rows[False].items() if k.startswith("shadow/")}
+
+
+def test_shadow_attention_without_shadow_formats_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"diagnostics.shadow_attention=true: needs formats in diagnostics.shadow"):
+        validate(compose_cfg("diagnostics=grads", "diagnostics.shadow_attention=true"))
+
+
 def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -99,15 +159,17 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
         ["precision=bf16"],
         # a quantized run: its QuantizedLinear layers shadowed too, its stochastic rounding's draws untouched
         ["precision=nvfp4"],
+        ["precision=nvfp4", "precision.attention.format=nvfp4"],  # its attention cores' too
     ],
-    ids=["bf16", "nvfp4"],
+    ids=["bf16", "nvfp4", "nvfp4_attention"],
 )
 def test_shadow_leaves_every_value_of_the_run_as_it_was(tmp_path, precision):
     steps = ["diagnostics=grads", "diagnostics.every=1", "accum=2", "trainer.max_steps=3", "trainer.log_every=1",
              "trainer.val_every=0", "sched.warmup_steps=1"]  # fmt: skip
     plain, shadow = tmp_path / "plain", tmp_path / "shadow"
     run(compose_cfg(*GPT, *precision, *steps), plain)
-    run(compose_cfg(*GPT, *precision, *steps, "diagnostics.shadow=[mxfp4,nvfp4]"), shadow)
+    run(compose_cfg(*GPT, *precision, *steps, "diagnostics.shadow=[mxfp4,nvfp4]", "diagnostics.shadow_attention=true"),
+        shadow)  # fmt: skip
     before, after = rows_of(plain), rows_of(shadow)
     assert len(before) == len(after) == 3
     drop = ("perf/",)  # times

@@ -228,12 +228,14 @@ def check_schedule(p: DictConfig, every: int, max_steps: int) -> None:
 
 
 def check_diagnostics(d: DictConfig) -> None:
-    """Diagnostics that would never be due (the format names of diagnostics.shadow: check_shadow)."""
+    """Diagnostics that would never be due or do nothing (the format names of diagnostics.shadow: check_shadow)."""
     for key, value in (("activations", d.activations), ("shadow", d.shadow)):
         if value and d.every == 0:
             raise ConfigError(
                 f"diagnostics.{key}", value, "needs diagnostics.every > 0 (or diagnostics=grads) to take effect"
             )
+    if d.shadow_attention and not d.shadow:
+        raise ConfigError("diagnostics.shadow_attention", True, "needs formats in diagnostics.shadow, e.g. [mxfp4]")
 
 
 def check_shadow(d: DictConfig, formats: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "model.bias": False,
     "data.dtype": "uint16",  # from before uint32 token files
     "diagnostics.shadow": [],  # from before what-if statistics
+    "diagnostics.shadow_attention": False,  # from before what-if statistics of attention
     "precision.eval": [],  # from before evaluation precisions: validation in the training precision only
     "precision.accumulate": "exact",  # from before modelled accumulation: fp32 GEMMs
 }

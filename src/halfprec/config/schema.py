@@ -150,6 +150,9 @@ class Diagnostics:
     shadow: Annotated[
         list[str], Spec(doc="number formats whose statistics every Linear layer would have, e.g. [mxfp4,nvfp4]")
     ]
+    shadow_attention: Annotated[
+        bool, Spec(doc="diagnostics.shadow covers the attention cores' operands too (Q, K, V, P, dO, dS)")
+    ]
 
 
 @dataclass

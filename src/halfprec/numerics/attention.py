@@ -17,6 +17,12 @@ each operand blocked along the dimension its GEMM contracts (as cuDNN's MXFP8 at
 along d, P and V along the keys) and multiplied by quantized.gemm, batched over batch x heads.
 rowsum(dO O) is FlashAttention's and cuDNN's form of rowsum(P dP), from the output as returned.
 P is kept for the backward (FlashAttention recomputes it: the same values, less memory).
+
+On diagnostics steps (`stats` a dict) each operand's quantization statistics are kept as a
+QuantizedLinear keeps its own, under the names of ATTENTION_OPERANDS: query, key, value, probs (P),
+grad_output (dO) and grad_scores (dS), each where first quantized (the forward's, unless it is high;
+Q and K rotated where the Hadamard rotates them). With the recipe's stochastic_grads, dO and dS are
+rounded stochastically from a generator seeded as QuantizedLinear's (resumed exactly: extra state).
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from torch import nn
 
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.quantized import Operand, Recipe, gemm
+from halfprec.numerics.quantized import Operand, Recipe, gemm, quant_sums, seeded_generator
 from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
 
 ATTENTION_GEMMS = ("forward", "backward")  # S = QK^T and O = PV; dV, dP, dQ, dK
+# the operands whose quantization statistics are kept (diagnostics=grads: quant/<core>/<operand>/...)
+ATTENTION_OPERANDS = ("query", "key", "value", "probs", "grad_output", "grad_scores")
 ATTENTION_DOC = "null = precision.attention.format; high = unquantized; or a format for its GEMMs' operands"
 
 
@@ -87,7 +95,10 @@ class QuantizedAttention(ScaledDotProduct):
     recipe's grad_format gives the gradient operands (dO, dS) their format where the backward keeps
     the attention's, and its scale_rule the MX scales. With `hadamard`, Q and K are rotated along d
     for S = QK^T by a random-sign Hadamard matrix drawn from `seed` (the largest power of two dividing
-    d: the whole head where d is one, as FlashAttention-3 does). No dropout (a ConfigError)."""
+    d: the whole head where d is one, as FlashAttention-3 does). No dropout (a ConfigError). With
+    `stats` a dict, each forward and backward adds its operands' statistics to it (diagnostics steps);
+    stochastic rounding counts backward passes as QuantizedLinear does (StochasticAttention keeps
+    the count in the state dict)."""
 
     eager_under_compile = True  # quantized.keep_eager
 
@@ -96,6 +107,8 @@ class QuantizedAttention(ScaledDotProduct):
         self.format, self.attention, self.recipe, self.seed = fmt, attention, recipe, seed
         self.gemms = attention.gemms(fmt)
         self.hadamard_matrix: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] | None = None
+        self.backward_passes = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return QuantizedAttentionFunction.apply(q, k, v, self)
@@ -105,10 +118,12 @@ class QuantizedAttention(ScaledDotProduct):
             f"hadamard={self.attention.hadamard}"
         )
 
-    def operand(self, t: torch.Tensor, gemm_group: str, axis: int, high: torch.dtype, grad: bool = False) -> Operand:
+    def operand(self, t: torch.Tensor, gemm_group: str, axis: int, high: torch.dtype, grad: bool = False,
+                record: str | None = None, generator: torch.Generator | None = None) -> Operand:  # fmt: skip
         """`t` (batch x heads flattened, tokens, d) as a GEMM of `gemm_group` takes it: blocked along
         `axis` in its format, in fp32, its outer scale split off for the GEMM's output; where the
-        GEMM is high, rounded to `high` (the run's compute dtype). `grad`: a gradient operand."""
+        GEMM is high, rounded to `high` (the run's compute dtype). `grad`: a gradient operand, rounded
+        stochastically with a `generator`; `record`: its name in `stats`, where they are kept."""
         name = self.gemms[gemm_group]
         if grad and name == self.format and self.recipe.grad_format:
             name = self.recipe.grad_format
@@ -116,9 +131,27 @@ class QuantizedAttention(ScaledDotProduct):
             return Operand(t.to(high).to(torch.promote_types(high, torch.float32)), None, high == torch.bfloat16)
         fmt = FORMATS[name]
         rule = self.recipe.scale_rule if fmt.scale == "e8m0" else "floor"
-        q = quantize(t, name, axis, scale_rule=rule, split=True)
+        counting = record is not None and self.stats is not None
+        rounding = "nearest" if generator is None else "stochastic"
+        q = quantize(t, name, axis, rounding, generator, scale_rule=rule, count_saturated=counting, split=True)
+        if counting:
+            self.record(str(record), t, q.values if q.factor is None else q.values * q.factor, q.saturated)
         block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
         return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
+
+    @torch.no_grad()
+    def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
+        """Sums over the step's micro-batches, on the device (quant_sums, compared in fp32)."""
+        assert self.stats is not None
+        self.stats[operand] = quant_sums(t.float(), q, saturated) + self.stats.get(operand, 0)
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of this backward pass's stochastic rounding of dO and dS (None: to nearest)."""
+        if not self.recipe.stochastic_grads:
+            return None
+        gen = seeded_generator(self.seed, self.backward_passes, device)
+        self.backward_passes += 1
+        return gen
 
     def rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q and K for S = QK^T: with `hadamard` (and a quantized forward), both rotated along d by the
@@ -129,6 +162,18 @@ class QuantizedAttention(ScaledDotProduct):
             d = q.shape[-1]
             self.hadamard_matrix = random_hadamard(d & -d, torch.Generator().manual_seed(self.seed))
         return rotate(q.float(), self.hadamard_matrix, -1), rotate(k.float(), self.hadamard_matrix, -1)
+
+
+class StochasticAttention(QuantizedAttention):
+    """A QuantizedAttention whose recipe rounds dO and dS stochastically: its count of backward passes
+    is in the state dict (a resumed run draws what an unbroken one would). Only these cores have one,
+    so that the others' state dict stays that of torch's fused attention."""
+
+    def get_extra_state(self) -> dict:
+        return {"backward_passes": self.backward_passes}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.backward_passes = int(state["backward_passes"])
 
 
 def causal_softmax(s: torch.Tensor, scale: float) -> torch.Tensor:
@@ -149,9 +194,13 @@ class QuantizedAttentionFunction(torch.autograd.Function):
         q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # batch x heads as one batch dimension
         with torch.autocast(device, enabled=False):
             qr, kr = core.rotated(q3, k3)
-            s = gemm(core.operand(qr, "forward", -1, out_dtype), core.operand(kr, "forward", -1, out_dtype).t())
+            f = "forward"
+            s = gemm(core.operand(qr, f, -1, out_dtype, record="query"),
+                     core.operand(kr, f, -1, out_dtype, record="key").t())  # fmt: skip
             p = causal_softmax(s, scale)
-            o = gemm(core.operand(p, "forward", -1, out_dtype), core.operand(v3, "forward", -2, out_dtype))
+            o = gemm(
+                core.operand(p, f, -1, out_dtype, record="probs"), core.operand(v3, f, -2, out_dtype, record="value")
+            )
         o = o.to(out_dtype)
         ctx.save_for_backward(q3, k3, v3, p, o)
         ctx.core, ctx.shapes, ctx.scale, ctx.high = core, (q.shape, k.shape, v.shape), scale, out_dtype
@@ -163,11 +212,18 @@ class QuantizedAttentionFunction(torch.autograd.Function):
         core: QuantizedAttention = ctx.core
         high, b = ctx.high, "backward"
         do = grad.reshape(o.shape)
-        dv = gemm(core.operand(p, b, -2, high).t(), core.operand(do, b, -2, high, grad=True))
-        dp = gemm(core.operand(do, b, -1, high, grad=True), core.operand(v, b, -1, high).t())
+        gen = core.generator(do.device)
+        # statistics: each operand where first quantized (Q, K, V and P in the forward, unless it is high)
+        first = {n: n if core.gemms["forward"] == HIGH else None for n in ("query", "key", "value", "probs")}
+        dv = gemm(core.operand(p, b, -2, high, record=first["probs"]).t(),
+                  core.operand(do, b, -2, high, True, "grad_output", gen))  # fmt: skip
+        dp = gemm(core.operand(do, b, -1, high, True, generator=gen),
+                  core.operand(v, b, -1, high, record=first["value"]).t())  # fmt: skip
         rows = (do.to(p.dtype) * o.to(p.dtype)).sum(-1, keepdim=True)  # rowsum(P dP) in exact arithmetic
         ds = p * (dp - rows) * ctx.scale
-        dq = gemm(core.operand(ds, b, -1, high, grad=True), core.operand(k, b, -2, high))
-        dk = gemm(core.operand(ds, b, -2, high, grad=True).t(), core.operand(q, b, -2, high))
+        dq = gemm(core.operand(ds, b, -1, high, True, "grad_scores", gen),
+                  core.operand(k, b, -2, high, record=first["key"]))  # fmt: skip
+        dk = gemm(core.operand(ds, b, -2, high, True, generator=gen).t(),
+                  core.operand(q, b, -2, high, record=first["query"]))  # fmt: skip
         dq, dk, dv = (g.to(t.dtype).reshape(shape) for g, t, shape in zip((dq, dk, dv), (q, k, v), ctx.shapes))
         return dq, dk, dv, None

@@ -252,8 +252,7 @@ class QuantizedLinear(nn.Linear):
         """The generator of this backward pass's stochastic rounding (None: rounded to nearest)."""
         if not self.recipe.stochastic_grads:
             return None
-        gen = torch.Generator(device=device)
-        gen.manual_seed((self.seed + self.backward_passes * SEED_STRIDE) % 2**63)
+        gen = seeded_generator(self.seed, self.backward_passes, device)
         self.backward_passes += 1
         return gen
 
@@ -270,6 +269,13 @@ class QuantizedLinear(nn.Linear):
         if self.hadamard_matrix is None:  # one per layer, drawn from its seed
             self.hadamard_matrix = random_hadamard(HADAMARD_SIZE, torch.Generator().manual_seed(self.seed))
         return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
+
+
+def seeded_generator(seed: int, passes: int, device: torch.device) -> torch.Generator:
+    """The stochastic-rounding generator of a layer seeded `seed` for its backward pass after `passes`."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed + passes * SEED_STRIDE) % 2**63)
+    return gen
 
 
 def held_bytes(name: str, shape: torch.Size, tile: bool) -> int:

@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = ("resume", "trainer.max_steps", "trainer.val_every", "traine
                      "trainer.ckpt_every", "trainer.ckpt_keep", "trainer.compile", "trainer.channels_last",
                      "trainer.threads", "data.num_workers", "scaler.max_consecutive_skips",
                      "scaler.max_overflow_rate", "logger", "objective", "fail_fast", "sched.total_steps",
-                     "precision.quantizer", "diagnostics.shadow")  # fmt: skip
+                     "precision.quantizer", "diagnostics.shadow", "diagnostics.shadow_attention")  # fmt: skip
 # What a run is. A checkpoint that differs in any of them is another run's: said first, all at once,
 # rather than the first detail that differs (data.batch_size of a language model's checkpoint).
 IDENTITY = ("task.name", "model.arch", "data.name", "precision.name", "optim._target_")

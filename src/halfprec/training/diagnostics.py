@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from halfprec.loggers import Histogram
+from halfprec.numerics.attention import ATTENTION_OPERANDS, QuantizedAttention, ScaledDotProduct, causal_softmax
 from halfprec.numerics.grads import full
 from halfprec.numerics.params import LowPrecisionParams, ParamStrategy
 from halfprec.numerics.policy import COMPUTE_TYPES
@@ -27,6 +28,8 @@ from halfprec.numerics.quantized import OPERANDS, QuantizedLinear, what_if_sums
 
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: a smaller magnitude becomes 0 in fp16
 FP16_MAX = 65504.0  # largest finite fp16: a larger magnitude becomes inf
+# the operands with statistics, in the order of a layer's keys: a Linear layer's, then an attention core's
+STAT_OPERANDS = tuple(dict.fromkeys([*OPERANDS, *ATTENTION_OPERANDS]))
 LOG2_RANGE = (-40, 20)  # histogram of log2|g|, one bin per power of two; values outside land in the end bins
 
 
@@ -59,6 +62,13 @@ class RecordsLogits(Protocol):
     logit_max: torch.Tensor | None
 
 
+@runtime_checkable
+class KeepsStats(Protocol):
+    """A quantized layer or attention core that sums its operands' statistics while `stats` is a dict."""
+
+    stats: dict[str, torch.Tensor] | None
+
+
 class Diagnostics:
     def __init__(self, cfg, model: nn.Module, params: ParamStrategy):
         self.every = int(cfg.every)
@@ -76,7 +86,8 @@ class Diagnostics:
         # attention layers that can record their logits' maximum (a GPT's)
         self.attention = [name for name, m in model.named_modules() if isinstance(m, RecordsLogits)]
         self._log_z: list[torch.Tensor] = []  # per micro-batch: [mean, max] of the output's log Z
-        self.quantized = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+        # the quantized Linear layers and attention cores, which keep statistics while their `stats` is a dict
+        self.quantized = [n for n, m in model.named_modules() if isinstance(m, (QuantizedLinear, QuantizedAttention))]
         self._quant: dict[str, dict[str, torch.Tensor]] = {}
         # bf16/fp16 weights that the update is rounded into (no fp32 masters): update_lost/<layer>
         self.rounded = params if isinstance(params, LowPrecisionParams) else None
@@ -84,6 +95,9 @@ class Diagnostics:
         # what-if formats (numerics/formats' FORMATS), each on every Linear layer, quantized or not
         self.shadow = list(dict.fromkeys(cfg.shadow))
         self.linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        # with diagnostics.shadow_attention, the attention cores too (torch's fused attention or quantized)
+        self.cores = [n for n, m in model.named_modules() if isinstance(m, ScaledDotProduct) and cfg.shadow_attention]
+        self.shadowed = [n for n in dict(model.named_modules()) if n in self.linears or n in self.cores]
         self._shadow: dict[tuple[str, str, str], torch.Tensor] = {}  # (format, layer, operand): quant_sums
 
     def due(self, step: int) -> bool:
@@ -182,8 +196,9 @@ class Diagnostics:
     @contextlib.contextmanager
     def watch_quantization(self) -> Iterator[None]:
         """Where the bits go: each quantized layer sums, over this step's micro-batches, the error
-        and the values lost to underflow and saturation of its operands (QuantizedLinear.record)."""
-        layers = [cast(QuantizedLinear, self.model.get_submodule(name)) for name in self.quantized]
+        and the values lost to underflow and saturation of its operands (QuantizedLinear.record; an
+        attention core's, QuantizedAttention.record)."""
+        layers = [cast(KeepsStats, self.model.get_submodule(name)) for name in self.quantized]
         for layer in layers:
             layer.stats = {}
         try:
@@ -213,11 +228,43 @@ class Diagnostics:
             return hook
 
         handles = [self.model.get_submodule(name).register_forward_hook(forward_hook(name)) for name in self.linears]
+        handles += [self.model.get_submodule(name).register_forward_hook(self._core_hook(name)) for name in self.cores]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _core_hook(self, name: str):
+        """watch_shadow's hook on an attention core (diagnostics.shadow_attention): its operands blocked
+        as the quantized core blocks them where first quantized (QuantizedAttention), Q and K along d,
+        V and P along the keys, dO along the queries (dV = P^T dO), dS along the keys (dQ = dS K). P and
+        dS are recomputed in fp32 from the core's Q, K, V, output and dO (torch's fused attention does
+        not show them): those of attention in high precision, before dropout."""
+
+        @torch.no_grad()
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            with torch.autocast(out.device.type, enabled=False):
+                q, k, v = (t.detach().float().flatten(0, -3) for t in args[:3])  # batch x heads, tokens, d
+                scale = 1 / math.sqrt(q.shape[-1])
+                p = causal_softmax(q @ k.transpose(-2, -1), scale)
+                for operand, t in (("query", q), ("key", k), ("value", v.transpose(-2, -1)), ("probs", p)):
+                    self._add_shadow(name, operand, t)
+            if out.requires_grad:
+                o = out.detach().float().flatten(0, -3)
+                out.register_hook(lambda g: self._add_core_grads(name, g, v, p, o, scale))
+
+        return hook
+
+    @torch.no_grad()
+    def _add_core_grads(self, name: str, grad: torch.Tensor, v: torch.Tensor, p: torch.Tensor, o: torch.Tensor,
+                        scale: float) -> None:  # fmt: skip
+        """An attention core's dO and dS = s P (dO V^T - rowsum(dO O)) (returns None: the gradient is left as is)."""
+        with torch.autocast(grad.device.type, enabled=False):
+            do = grad.detach().float().flatten(0, -3)
+            ds = p * (do @ v.transpose(-2, -1) - (do * o).sum(-1, keepdim=True)) * scale
+            self._add_shadow(name, "grad_output", do.transpose(-2, -1))
+            self._add_shadow(name, "grad_scores", ds)
 
     @torch.no_grad()
     def _add_shadow(self, layer: str, operand: str, t: torch.Tensor) -> None:
@@ -235,12 +282,14 @@ class Diagnostics:
         quant, self._quant = self._quant, {}
         shadow, self._shadow = self._shadow, {}
         # (key prefix, layer, operand, sums): quantized layers in model order, then each shadow format's
-        cells = [("quant", layer, op, stats[op]) for layer, stats in quant.items() for op in OPERANDS if op in stats]
+        cells = [
+            ("quant", layer, op, stats[op]) for layer, stats in quant.items() for op in STAT_OPERANDS if op in stats
+        ]
         cells += [
             (f"shadow/{fmt}", layer, op, shadow[fmt, layer, op])
             for fmt in self.shadow
-            for layer in self.linears
-            for op in OPERANDS
+            for layer in self.shadowed
+            for op in STAT_OPERANDS
             if (fmt, layer, op) in shadow
         ]
         if not cells:

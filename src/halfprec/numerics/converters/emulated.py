@@ -10,7 +10,13 @@ import zlib
 from torch import nn
 
 from halfprec.errors import ConfigError
-from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct, attention_label
+from halfprec.numerics.attention import (
+    AttentionRecipe,
+    QuantizedAttention,
+    ScaledDotProduct,
+    StochasticAttention,
+    attention_label,
+)
 from halfprec.numerics.converters import Conversion, Converter, register_converter
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_label, gemm_note
 from halfprec.numerics.settings import HIGH
@@ -57,7 +63,7 @@ def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: 
     """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters; `compiled`:
     its quantizers through torch.compile; `accumulate`: precision.accumulate (numerics/accumulate.py).
     Each planned attention core a QuantizedAttention (`attention`: precision.attention), which has no
-    dropout."""
+    dropout (a StochasticAttention where the recipe rounds gradients stochastically)."""
     for name, fmt in plan.items():
         if fmt == HIGH:
             continue
@@ -66,8 +72,8 @@ def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: 
             if linear.dropout:
                 raise ConfigError("model.dropout", linear.dropout, "quantized attention (precision.attention) has no "
                                   "dropout of its attention weights: set model.dropout=0")  # fmt: skip
-            core = QuantizedAttention(fmt, attention or AttentionRecipe(fmt), recipe.for_format(fmt),
-                                      layer_seed(seed, name, rank))  # fmt: skip
+            kind = StochasticAttention if recipe.stochastic_grads else QuantizedAttention
+            core = kind(fmt, attention or AttentionRecipe(fmt), recipe.for_format(fmt), layer_seed(seed, name, rank))
             model.set_submodule(name, core)
             continue
         assert isinstance(linear, nn.Linear)
