@@ -179,3 +179,29 @@ def test_train_with_hopper_accumulation_logs_another_loss(cli):
     losses = {name: [r["train/loss"] for r in rs if "train/loss" in r] for name, rs in rows.items()}
     assert len(losses["hopper"]) == 2 and all(torch.isfinite(torch.tensor(losses["hopper"])))
     assert losses["hopper"] != losses["exact"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_largest_exponent_by_gemm_equals_the_elementwise_maximum(seed):
+    """The products' largest exponent per instruction, from one GEMM of powers, against the maximum
+    taken product by product; zeros among the operands."""
+    g = torch.Generator().manual_seed(seed)
+    ea = torch.randint(-20, 20, (M, K), generator=g, dtype=torch.int32)
+    eb = torch.randint(-20, 20, (K, N), generator=g, dtype=torch.int32)
+    ea[torch.rand(M, K, generator=g) < 0.3] = acc.ZERO_EXPONENT
+    eb[:, 0] = acc.ZERO_EXPONENT  # a column of zeros: every product of it zero
+    got = acc.largest_exponents(ea, eb, acc.WGMMA_FP8)
+    products = ea.reshape(M, -1, 32).transpose(0, 1).unsqueeze(2) + eb.reshape(-1, 32, N).transpose(1, 2).unsqueeze(1)
+    zero = (products < acc.ZERO_EXPONENT // 2).any(-1)
+    expected = torch.where(zero, products.amax(-1).clamp(min=acc.WGMMA_FP8.e_zero), products.amax(-1))
+    assert torch.equal(got, expected)
+
+
+def test_bf16_beyond_a_gemms_exponent_range_equals_mmasim():
+    """bf16 values from 2^-120 to 2^90: too wide for the GEMM of powers, the largest exponent is
+    taken elementwise."""
+    g = torch.Generator().manual_seed(4)
+    a, b = bf16((M, 64), g), bf16((64, N), g)
+    a[0, 0], a[1, 1], b[2, 0], b[3, 1] = 2.0**90, 2.0**-120, 2.0**-120, 2.0**90
+    expected = nv.WGMMA("Hopper", "m64n8k16.f32.bf16.bf16").arithmetic_op(a.bfloat16(), b.bfloat16(), torch.zeros(M, N))
+    assert torch.equal(acc.matmul(a, b, acc.WGMMA_BF16), expected)

@@ -16,8 +16,10 @@ nearest) accumulator every `promote` values of K, as DeepSeek-V3 and Transformer
 accumulator do, or per 128-value chunk where fp8_block's scales apply (DeepGEMM).
 
 Each chunk's alignment depends on the running sum, so the chunks of K are a loop; every output
-and product of a chunk are one vectorised step, in fp64 (exact: the aligned terms are integers
-below 2^53), a band of rows at a time to bound the temporaries.
+and product of a chunk are one vectorised step, a band of rows at a time to bound the temporaries:
+in fp64 (exact: the aligned terms are integers below 2^53), or for FP8's 13-bit instructions in
+fp32 and int32 (exact: their terms' sum stays below 2^24). The products' largest exponents, which
+do not depend on the running sum, are one batched GEMM per band (largest_exponents).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ EXACT = "exact"
 # with E8M0 or E4M3 block scales
 KINDS = ("fp8", "bf16", "mx", "fp4")
 ZERO_EXPONENT = -(2**14)  # an operand's zero: far below any product, so never the largest
-ROWS_VALUES = {"cpu": 2**21, "cuda": 2**26}  # temporaries' values per band of rows (M x N x k)
+ROWS_VALUES = {"cpu": 2**18, "cuda": 2**26}  # temporaries' values per band of rows (M x N x k): a CPU's in cache
 
 
 @dataclass(frozen=True)
@@ -142,26 +144,75 @@ def normalised(x: torch.Tensor, subnormal: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def sum_exponent(c: torch.Tensor, e_zero: int) -> torch.Tensor:
-    """The running sum's exponent in the alignment: fp32's, e_zero for a zero."""
-    return exponents(c, -126).masked_fill_(c == 0, e_zero)
+    """The running sum's exponent in the alignment: fp32's (from its bits; -126 for subnormals),
+    e_zero for a zero."""
+    e = (c.view(torch.int32) >> 23).bitwise_and_(255).sub_(127).clamp_(min=-126)
+    return e.masked_fill_(c == 0, e_zero)
 
 
-def fdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ea: torch.Tensor, eb: torch.Tensor,
-         ins: Instruction, shift: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """One instruction on a band: c (R x N, fp32) + the k products of a (R x k) and b (k x N), both
-    fp64 element values with their exponents ea, eb (int32, exponents()); `shift` (R x N, int32): the
-    block scales' exponents, added to every product's (MXF8F6F4). MMA-Sim's T-FDPA / ST-FDPA."""
-    products = a.unsqueeze(1) * b.t().unsqueeze(0)  # R x N x k, exact in fp64
-    largest = (ea.unsqueeze(1) + eb.t().unsqueeze(0)).amax(-1)
-    nonzero = (a != 0).double() @ (b != 0).double()  # products that are not zero
+def fdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, largest: torch.Tensor, ins: Instruction,
+         shift: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One instruction on a band: c (R x N, fp32) + the k products of a (R x k) and b (k x N), element
+    values in fp64, or fp32 where that is exact (narrow: fdpa_narrow); `largest` (R x N, int32): the
+    products' largest exponent, at least e_zero where one is zero (largest_exponents); `shift` (R x N,
+    int32): the block scales' exponents, added to every product's (MXF8F6F4). MMA-Sim's T-FDPA / ST-FDPA."""
+    if a.dtype == torch.float32:
+        return fdpa_narrow(a, b, c, largest, ins)
     if shift is not None:
         largest = largest + shift
-    largest = torch.where(nonzero < a.shape[1], largest.clamp(min=ins.e_zero), largest)
     largest = torch.maximum(largest, sum_exponent(c, ins.e_zero))
     lift = ins.fraction - largest if shift is None else ins.fraction - largest + shift
-    terms = torch.trunc(products * torch.exp2(lift.double()).unsqueeze(-1)).sum(-1)
+    products = a.unsqueeze(1) * b.t().unsqueeze(0)  # R x N x k, exact in fp64
+    terms = products.mul_(torch.exp2(lift.double()).unsqueeze(-1)).trunc_().sum(-1)
     terms += torch.trunc(c.double() * torch.exp2(ins.fraction - largest.double()))
     return keep(terms * torch.exp2(largest.double() - ins.fraction), ins.kept)
+
+
+def fdpa_narrow(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, largest: torch.Tensor,
+                ins: Instruction) -> torch.Tensor:  # fmt: skip
+    """fdpa in fp32 and int32 (exact: narrow): the aligned terms truncated by the cast to int32,
+    summed as integers below 2^24, and the sum truncated to `kept` bits by clearing its low bits."""
+    largest = torch.maximum(largest, sum_exponent(c, ins.e_zero))
+    lift = power_of_two(ins.fraction - largest)  # beyond fp32's range only where all are zero
+    terms = (a.unsqueeze(1) * b.t().unsqueeze(0)).mul_(lift.unsqueeze(-1)).to(torch.int32).sum(-1, dtype=torch.int32)
+    terms += (c * lift).to(torch.int32)
+    total = terms.float().mul_(power_of_two(largest - ins.fraction))
+    low = (1 << (23 - ins.kept)) - 1  # fp32's fraction bits below `kept`, subnormals' too (keep's -126)
+    return total.view(torch.int32).bitwise_and_(~low).view(torch.float32) + 0.0
+
+
+def power_of_two(e: torch.Tensor) -> torch.Tensor:
+    """2^e in fp32 from its bits, e (int32) clamped to fp32's normal exponents."""
+    return ((e.clamp(-126, 127) + 127) << 23).view(torch.float32)
+
+
+def largest_exponents(ea: torch.Tensor, eb: torch.Tensor, ins: Instruction) -> torch.Tensor:
+    """The largest of ea[r, i] + eb[i, n] over each instruction's k values of i, at least e_zero
+    where a product is zero: chunks x R x N (int32), for a band's rows of ea (R x K) and eb (K x N).
+    One batched GEMM of powers 2^(w e) (2^w > k: the sum of k of them lies below the next power of
+    2^w, so its exponent names the largest exactly) where fp64 holds them; else elementwise."""
+    chunks = ea.shape[1] // ins.k
+    xa, xb = ea.reshape(-1, chunks, ins.k).transpose(0, 1), eb.reshape(chunks, ins.k, -1)
+    za, zb = xa == ZERO_EXPONENT, xb == ZERO_EXPONENT
+    nonzero = (~za).double() @ (~zb).double()
+    width = ins.k.bit_length()
+    lo_a, lo_b = low(xa, za), low(xb, zb)
+    span = width * (int(xa.max()) - lo_a + int(xb.max()) - lo_b + 1)
+    if span < 1000:  # 2^span within fp64's normal range
+        pa = torch.exp2((width * (xa - lo_a)).double()).masked_fill_(za, 0)
+        pb = torch.exp2((width * (xb - lo_b)).double()).masked_fill_(zb, 0)
+        sums = pa @ pb
+        e = (sums.view(torch.int64) >> 52).sub_(1023).int()  # sums are 0 or normal: their exponent's bits
+        largest = e.div_(width, rounding_mode="floor").add_(lo_a + lo_b)
+        largest = largest.masked_fill_(sums == 0, ZERO_EXPONENT)
+    else:
+        largest = (xa.unsqueeze(2) + xb.transpose(1, 2).unsqueeze(1)).amax(-1)
+    return torch.where(nonzero < ins.k, largest.clamp(min=ins.e_zero), largest)
+
+
+def low(e: torch.Tensor, zero: torch.Tensor) -> int:
+    """The smallest exponent of a nonzero element (0 where there is none)."""
+    return int(e.masked_fill(zero, 2**14).min()) if not bool(zero.all()) else 0
 
 
 def gfdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
@@ -203,7 +254,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, ins: Instruction, subnormals: tuple
     m, k = a.shape
     pad = -k % (promote or ins.k)
     length = k + pad
-    a, b = F.pad(a.double(), (0, pad)), F.pad(b.double(), (0, 0, 0, pad))
+    dtype = torch.float32 if narrow(ins, subnormals, scales) else torch.float64
+    a, b = F.pad(a.to(dtype), (0, pad)), F.pad(b.to(dtype), (0, 0, 0, pad))
     operands = Band(a, b, exponents(a, subnormals[0]), exponents(b, subnormals[1]), None, None, scale_subnormal)
     if scales is not None:  # one scale per group (4-bit) or per instruction
         per = ins.group or ins.k
@@ -214,14 +266,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor, ins: Instruction, subnormals: tuple
     step = promote or length
     for r in range(0, m, rows):
         band = slice(r, r + rows)
+        largest = None if ins.group else largest_exponents(operands.ea[band], operands.eb, ins)
         total = None
         for p in range(0, length, step):
-            c = partial(operands, band, range(p, p + step, ins.k), ins)
+            c = partial(operands, band, range(p, p + step, ins.k), ins, largest)
             chunk = None if factors is None else (factors[0][band, p // step], factors[1][p // step])
             total = promoted(total, c, chunk)
         assert total is not None
         out[band] = total
     return out
+
+
+def narrow(ins: Instruction, subnormals: tuple[int, int], scales: object) -> bool:
+    """Whether fp32 sums an instruction exactly: elements of at most 16 bits (subnormal from 2^-14:
+    fp8, fp16; products of <= 22 bits, normal in fp32) and aligned terms, each below 2^(fraction+2),
+    whose k + 1 sum within fp32's 24 bits (FP8's 13 fraction bits; not bf16's 25)."""
+    return scales is None and min(subnormals) >= -14 and (ins.k + 1) * 2 ** (ins.fraction + 2) <= 2**24
 
 
 class Band(NamedTuple):
@@ -236,8 +296,9 @@ class Band(NamedTuple):
     scale_subnormal: int
 
 
-def partial(o: Band, band: slice, starts: range, ins: Instruction) -> torch.Tensor:
-    """The rows `band` of the sum of instructions beginning at `starts` along K, from zero."""
+def partial(o: Band, band: slice, starts: range, ins: Instruction, largest: torch.Tensor | None) -> torch.Tensor:
+    """The rows `band` of the sum of instructions beginning at `starts` along K, from zero; `largest`:
+    each instruction's products' largest exponent (largest_exponents), but for the 4-bit ones."""
     c = torch.zeros(o.a[band].shape[0], o.b.shape[1], dtype=torch.float32, device=o.a.device)
     for j in starts:
         ks = slice(j, j + ins.k)
@@ -246,11 +307,12 @@ def partial(o: Band, band: slice, starts: range, ins: Instruction) -> torch.Tens
             g = slice(j // ins.group, (j + ins.k) // ins.group)
             c = gfdpa(o.a[band, ks], o.b[ks], c, o.sa[band, g], o.sb[g], ins, o.scale_subnormal)
             continue
+        assert largest is not None
         shift = None
         if o.sa is not None and o.sb is not None:
             i = j // ins.k
             shift = exponents(o.sa[band, i], -127).unsqueeze(1) + exponents(o.sb[i], -127).unsqueeze(0)
-        c = fdpa(o.a[band, ks], o.b[ks], c, o.ea[band, ks], o.eb[ks], ins, shift)
+        c = fdpa(o.a[band, ks], o.b[ks], c, largest[j // ins.k], ins, shift)
     return c
 
 
