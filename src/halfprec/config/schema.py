@@ -152,7 +152,7 @@ class Diagnostics:
     ]
     shadow_attention: Annotated[
         bool, Spec(doc="diagnostics.shadow covers the attention cores' operands too (Q, K, V, P, dO, dS)")
-    ]
+    ] = False
 
 
 @dataclass
