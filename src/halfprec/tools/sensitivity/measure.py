@@ -125,8 +125,8 @@ def load_run(path: Path, device: str | None = None) -> Run:
     weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
     model.load_state_dict(weights)
     model.to(target).eval()
-    for name in attention_cores(model):  # eval mode drops nothing; a quantized core refuses a dropout
-        model.get_submodule(name).dropout = 0.0
+    for core in (m for m in model.modules() if isinstance(m, ScaledDotProduct)):
+        core.dropout = 0.0  # eval mode drops nothing; a quantized core refuses a dropout
     task = build_task(config.task)
     return Run(config, ckpt_path, int(ckpt["step"]), model, data, task, policy, target)
 
