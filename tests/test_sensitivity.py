@@ -339,12 +339,14 @@ def test_a_checkpoint_from_an_older_version_is_measured_with_the_keys_it_implies
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
-    """A one-block GPT trained a few steps in fp32, measured in mxfp4 without and with --attention."""
+    """A one-block GPT trained a few steps in fp32 (with dropout, which a quantized core refuses in
+    training: the tool measures in eval mode), measured in mxfp4 without and with --attention."""
     from halfprec.tools.cli import main
     from halfprec.training.run import run
 
     path = tmp_path_factory.mktemp("gpt")
-    run(compose_cfg(*GPT, "model.n_layer=1", "precision=fp32", "trainer.max_steps=5", "trainer.val_every=0"), path)
+    run(compose_cfg(*GPT, "model.n_layer=1", "model.dropout=0.1", "precision=fp32", "trainer.max_steps=5",
+                    "trainer.val_every=0"), path)  # fmt: skip
     summaries = {}
     for name, flag in (("linear", []), ("attention", ["--attention"])):
         args = ["sensitivity", str(path), "--formats", "mxfp4", "--batches", "2", "--out", str(path / name), *flag]
