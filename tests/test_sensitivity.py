@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from halfprec.components.tasks.classification import Classification
+from halfprec.numerics.attention import AttentionRecipe
 from halfprec.numerics.formats import BLOCK_SCALED
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import Recipe
@@ -334,3 +335,84 @@ def test_a_checkpoint_from_an_older_version_is_measured_with_the_keys_it_implies
     assert main(["sensitivity", str(tmp_path), "--batches", "1", "--formats", "mxfp8"]) == 0, capsys.readouterr().err
     summary = json.loads((tmp_path / "sensitivity.json").read_text())
     assert summary["formats"] == ["mxfp8"] and summary["precision"] == "bf16_pure_kahan"
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    """A one-block GPT trained a few steps in fp32 (with dropout, which a quantized core refuses in
+    training: the tool measures in eval mode), measured in mxfp4 without and with --attention."""
+    from halfprec.tools.cli import main
+    from halfprec.training.run import run
+
+    path = tmp_path_factory.mktemp("gpt")
+    run(compose_cfg(*GPT, "model.n_layer=1", "model.dropout=0.1", "precision=fp32", "trainer.max_steps=5",
+                    "trainer.val_every=0"), path)  # fmt: skip
+    summaries = {}
+    for name, flag in (("linear", []), ("attention", ["--attention"])):
+        args = ["sensitivity", str(path), "--formats", "mxfp4", "--batches", "2", "--out", str(path / name), *flag]
+        assert main(args) == 0
+        summaries[name] = json.loads((path / name / "sensitivity.json").read_text())
+    return path, summaries
+
+
+def test_with_attention_the_cores_are_rows_and_the_linear_rows_stay_bit_for_bit(gpt_run, capsys):
+    path, summaries = gpt_run
+    linear, attention = summaries["linear"], summaries["attention"]
+    cores = [r for r in attention["rows"] if r["core"]]
+    assert [r["layer"] for r in cores] == ["blocks.0.attn.core"] and not any(r["core"] for r in linear["rows"])
+    (core,) = cores
+    assert core["params"] == 0 and core["candidate"] and math.isfinite(core["damage"])
+    assert core["weight_grad_cos"] is None and core["weight_grad_rel_err"] is None  # no weight
+    assert 0 < core["input_grad_rel_err"] < 1 and 0 < core["input_grad_cos"] < 1  # q, k, v's gradients in mxfp4
+    # every Linear layer's numbers as the tool gave them without attention, bit for bit
+    layers = [r for r in attention["rows"] if not r["core"] and r["layer"] != WHOLE]
+    assert layers == [r for r in linear["rows"] if r["layer"] != WHOLE]
+    assert attention["reference_loss"] == linear["reference_loss"]
+    whole = {name: s["rows"][-1] for name, s in summaries.items()}  # the cores join the whole model's row
+    assert whole["attention"]["layer"] == WHOLE and whole["attention"]["damage"] != whole["linear"]["damage"]
+    text = (path / "attention" / "sensitivity.md").read_text()
+    assert re.search(r"^\| blocks\.0\.attn\.core \| 0 \| [+-][\d.]+\*? \|$", text, re.M)
+    assert re.search(r"^\| blocks\.0\.attn\.core \| mxfp4 \| .* \| n/a \| n/a \| [\d.]+ \| [\d.]+ \|$", text, re.M)
+
+
+def test_the_rules_naming_a_core_say_to_quantize_attention_and_train_so(gpt_run, tmp_path):
+    """A core among the suggested rules (its damage certain, by hand): the printed line carries
+    precision.attention.format, and train.py takes it; without it, a rule naming only a core is a
+    config error."""
+    import argparse
+
+    from halfprec.errors import ConfigError
+    from halfprec.tools.sensitivity.command import suggestion
+    from halfprec.training.run import run
+
+    sure = Row("blocks.0.attn.core", "mxfp4", 0, [0.3, 0.3], weight_grad=None, core=True)
+    noise = Row("blocks.0.mlp.fc", "mxfp4", 4096, [0.0, 0.0])
+    args = argparse.Namespace(keep=0.5, keep_by="layers")
+    said = suggestion("mxfp4", args, Measured(0.0, [sure, noise], {}, 2), [sure, noise])
+    (line,) = [s.strip() for s in said if "precision.rules=" in s]
+    rules, attention = line.rsplit(" ", 1)
+    assert rules == rules_override(["blocks.0.attn.core"]) and attention == "precision.attention.format=mxfp4"
+    tiny = [*GPT, "model.n_layer=1", "precision=mxfp4", "trainer.max_steps=1", "trainer.val_every=0"]
+    run(compose_cfg(*tiny, rules.strip("'"), attention), tmp_path / "with")  # validates and trains
+    with pytest.raises(ConfigError, match="matches only attention cores"):
+        run(compose_cfg(*tiny, rules.strip("'")), tmp_path / "without")
+
+
+def test_attention_on_a_model_without_cores_is_one_line():
+    batch = (torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))
+    run = toy_run(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), [batch])
+    with pytest.raises(SensitivityError, match=r"^--attention: Sequential has no attention core to measure"):
+        measure(run, ["mxfp4"], 1, parse_recipe("none", Recipe()), seed=0, attention=AttentionRecipe())
+
+
+def test_a_run_that_quantized_attention_has_its_cores_measured_unless_told_not_to(tmp_path, capsys):
+    from halfprec.tools.cli import main
+    from halfprec.training.run import run
+
+    run(compose_cfg(*GPT, "model.n_layer=1", "precision=mxfp8", "precision.attention.format=mxfp8",
+                    "trainer.max_steps=1", "trainer.val_every=0"), tmp_path)  # fmt: skip
+    for flag, cores in (([], ["blocks.0.attn.core"]), (["--no-attention"], [])):
+        assert main(["sensitivity", str(tmp_path), "--batches", "1", "--formats", "mxfp8", *flag]) == 0
+        summary = json.loads((tmp_path / "sensitivity.json").read_text())
+        assert [r["layer"] for r in summary["rows"] if r["core"]] == cores
+    assert "5 Linear layer(s) and 1 attention core(s) x 1 format(s)" in capsys.readouterr().err

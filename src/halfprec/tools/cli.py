@@ -58,8 +58,9 @@ def add_sensitivity(commands: argparse._SubParsersAction) -> None:
         "sensitivity",
         help="per layer and number format, the loss and gradient damage of a trained run; suggested precision.rules",
         description="Rebuild a run's model from its last checkpoint and, on a few validation batches, measure for "
-        "every Linear layer and each format: the loss increase with that layer alone in the format, and the cosine "
-        "and relative error of its weight and input gradients; the whole model in the format as a reference row. "
+        "every Linear layer (with --attention, every attention core) and each format: the loss increase with that "
+        "layer alone in the format, and the cosine and relative error of its weight and input gradients; the whole "
+        "model in the format as a reference row. "
         "Writes sensitivity.md, sensitivity.json and sensitivity.png, prints the table and a precision.rules list "
         "keeping high the most damaged layers (those whose damage exceeds twice its standard error) within --keep.",
     )
@@ -73,6 +74,10 @@ def add_sensitivity(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--recipe", default="run", help="run (the run's precision.recipe), none, or switches: "
                         "stochastic_grads,hadamard,weight_2d")  # fmt: skip
     parser.add_argument("--seed", type=int, help="stochastic rounding's seed (default: the run's)")
+    parser.add_argument("--attention", action=argparse.BooleanOptionalAction, help="measure the attention cores "
+                        "(the GPT's blocks.N.attn.core) too, each alone with its six GEMMs in the format: one more "
+                        "pass per core, format and batch; rules naming a core need precision.attention.format "
+                        "(default: on for a run that set precision.attention.format, else off)")  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: the run's trainer.device")
     parser.add_argument("--out", type=Path, metavar="DIR", help="where to write the files (default: the run dir)")
     parser.set_defaults(handler=run_sensitivity)

@@ -10,6 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from halfprec.config.rules import slow_on_cpu
+from halfprec.numerics.attention import AttentionRecipe
+from halfprec.numerics.layers import attention_cores
 from halfprec.tools.sensitivity.measure import (
     SIGNIFICANT,
     Measured,
@@ -23,7 +25,7 @@ from halfprec.tools.sensitivity.measure import (
     passes,
 )
 from halfprec.tools.sensitivity.output import Summary, damage_table, describe, writable, write
-from halfprec.tools.sensitivity.rules import keep_high, ranked, rules_override
+from halfprec.tools.sensitivity.rules import keep_high, ranked, suggested_override
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -40,6 +42,14 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise SensitivityError("--device cuda: no CUDA GPU is visible here; use --device cpu")
     if args.out is not None:
         writable(args.out, "--out")
+
+
+def attention_recipe(flag: bool | None, run_attention: AttentionRecipe) -> AttentionRecipe | None:
+    """--attention / --no-attention, by default whether the run quantized attention: the cores are
+    measured with the run's precision.attention.hadamard, their GEMMs in each measured format."""
+    if not (run_attention.format is not None if flag is None else flag):
+        return None
+    return AttentionRecipe(hadamard=run_attention.hadamard)
 
 
 def default_formats(run_format: str | None) -> str:
@@ -63,12 +73,14 @@ def suggestion(fmt: str, args: argparse.Namespace, measured: Measured, candidate
         )
         return [f"No rule suggested for {fmt}: {why}; more --batches narrow the errors, a larger --keep allows more."]
     share = f"{args.keep:g} of the {'layers' if args.keep_by == 'layers' else 'parameters'}"
+    cores = ", with attention in it: a rule naming an attention core needs precision.attention.format" if any(
+        r.core for r in chosen) else ""  # fmt: skip
     return [
         f"Suggested for {fmt}: {len(chosen)} of its {len(candidates)} layers high, the most damaged within {share} "
         f"(--keep {args.keep:g} --keep-by {args.keep_by}), among those whose damage exceeds {SIGNIFICANT:g} "
-        f"standard errors; add to a run in {fmt} (precision=<its option> or precision.format={fmt}):",
+        f"standard errors; add to a run in {fmt} (precision=<its option> or precision.format={fmt}){cores}:",
         "",
-        f"    {rules_override([r.layer for r in chosen])}",
+        f"    {suggested_override(chosen, fmt)}",
     ]
 
 
@@ -107,9 +119,12 @@ def sensitivity(args: argparse.Namespace) -> int:
     recipe = parse_recipe(args.recipe, run.config.precision.recipe)
     out = args.out or (args.path if args.path.is_dir() else args.path.parent)
     writable(out, "--out")
-    layers, _ = candidates(run, formats)  # a model with nothing to measure says so before any pass
+    attention = attention_recipe(args.attention, run.config.precision.attention)
+    layers, _ = candidates(run, formats, attention is not None)  # nothing to measure: said before any pass
+    cores = len(attention_cores(run.model)) if attention else 0
+    what = f"{len(layers) - cores} Linear layer(s)" + (f" and {cores} attention core(s)" if attention else "")
     total = passes(len(layers), len(formats), args.batches)
-    print(f"measuring {run.checkpoint} (step {run.step}): {len(layers)} Linear layer(s) x {len(formats)} format(s) "
+    print(f"measuring {run.checkpoint} (step {run.step}): {what} x {len(formats)} format(s) "
           f"on up to {args.batches} validation batch(es): {total} forward-backward passes",
           file=sys.stderr)  # fmt: skip
     slow = slow_on_cpu(run.config.precision) if run.device.type == "cpu" else None
@@ -118,12 +133,13 @@ def sensitivity(args: argparse.Namespace) -> int:
     progress = Passes(total)
     try:
         measured = measure(run, formats, args.batches, recipe, run.config.seed if args.seed is None else args.seed,
-                           progress.advance)  # fmt: skip
+                           progress.advance, attention)  # fmt: skip
     finally:
         progress.close()
     fmt = formats[0]
     said = suggestion(fmt, args, measured, ranked(measured, fmt))
-    summary = Summary.of(str(args.path), run.step, run.config.precision.name, asdict(recipe), measured, formats)
+    switches = {**asdict(recipe), **({"attention.hadamard": True} if attention and attention.hadamard else {})}
+    summary = Summary.of(str(args.path), run.step, run.config.precision.name, switches, measured, formats)
     print("\n".join([*describe(summary), "", *damage_table(summary), "", *said]))
     paths = write(summary, Path(out), ["## Suggested rules", "", *said])
     print(f"wrote {', '.join(str(p) for p in paths)}")

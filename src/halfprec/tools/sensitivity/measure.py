@@ -16,6 +16,12 @@ both accumulated over the micro-batches (sums of products, then one cosine: a ba
 what an optimizer step sees). The whole model in f, planned as precision=<f> would plan it, is the
 reference row. Stochastic rounding of gradients draws from the layer's seed and the batch number, so
 the numbers are the same on every call.
+
+With `attention` (an AttentionRecipe: `--attention`, the default for a run that quantized
+attention), each attention core (the GPT's blocks.N.attn.core) is measured as a layer too: alone a
+QuantizedAttention of f (its six GEMMs in f), its input gradient that of its queries, keys and values
+together, no weight gradient and no parameters; the whole model's row then has the cores in f as
+well, as precision=<f> precision.attention.format=<f> would plan it.
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ from halfprec.components.models import create_model
 from halfprec.components.tasks import Task, build_task
 from halfprec.config import Config, from_saved, resolve_device
 from halfprec.errors import ConfigError
+from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct
 from halfprec.numerics.converters.emulated import swap_emulated
 from halfprec.numerics.formats import FORMATS
-from halfprec.numerics.layers import linear_layers, plan_layers
+from halfprec.numerics.layers import attention_cores, linear_layers, plan_layers
 from halfprec.numerics.policy import PrecisionPolicy
 from halfprec.numerics.quantized import RECIPE_SWITCHES, QuantizedLinear, Recipe
 from halfprec.numerics.settings import HIGH
@@ -118,6 +125,8 @@ def load_run(path: Path, device: str | None = None) -> Run:
     weights = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
     model.load_state_dict(weights)
     model.to(target).eval()
+    for core in (m for m in model.modules() if isinstance(m, ScaledDotProduct)):
+        core.dropout = 0.0  # eval mode drops nothing; a quantized core refuses a dropout
     task = build_task(config.task)
     return Run(config, ckpt_path, int(ckpt["step"]), model, data, task, policy, target)
 
@@ -176,14 +185,15 @@ class Agreement:
 
 @dataclass
 class Row:
-    """One layer (or WHOLE) in one format."""
+    """One layer (or WHOLE) in one format; an attention core (`core`) has no weight gradient."""
 
     layer: str
     format: str
     params: int
     diffs: list[float] = field(default_factory=list)  # each batch's loss minus the reference's
-    weight_grad: Agreement = field(default_factory=Agreement)
+    weight_grad: Agreement | None = field(default_factory=Agreement)
     input_grad: Agreement | None = None
+    core: bool = False
 
 
 @dataclass
@@ -192,22 +202,32 @@ class Pass:
 
     loss: float
     weight_grads: dict[str, torch.Tensor]
-    input_grads: dict[str, torch.Tensor]
+    input_grads: dict[str, tuple[torch.Tensor, ...]]  # a Linear's input; a core's queries, keys, values
 
 
-def weight(model: nn.Module, name: str) -> torch.Tensor:
+def weight(model: nn.Module, name: str) -> torch.Tensor | None:
+    """A Linear layer's weight; None for an attention core, which has none."""
     layer = model.get_submodule(name)
+    if isinstance(layer, ScaledDotProduct):
+        return None
     assert isinstance(layer, nn.Linear)
     return layer.weight
 
 
+def inputs_of(module: nn.Module, args: tuple) -> tuple[torch.Tensor, ...]:
+    """What a layer's input gradient is taken of: a core's q, k and v, a Linear layer's input."""
+    return tuple(args[:3]) if isinstance(module, ScaledDotProduct) else (args[0],)
+
+
 def run_pass(run: Run, inputs: torch.Tensor, targets: torch.Tensor, layers: list[str]) -> Pass:
     """The loss of one batch and, for each of `layers`, the weight gradient of its own GEMM (an
-    alias of its weight, so that a tied weight's other use is not counted) and its input gradient."""
-    aliases = {n: weight(run.model, n).detach().requires_grad_() for n in layers}
-    seen: dict[str, torch.Tensor] = {}
+    alias of its weight, so that a tied weight's other use is not counted; none for a core) and its
+    input gradient."""
+    weights = {n: weight(run.model, n) for n in layers}
+    aliases = {n: w.detach().requires_grad_() for n, w in weights.items() if w is not None}
+    seen: dict[str, tuple[torch.Tensor, ...]] = {}
     hooks = [
-        run.model.get_submodule(n).register_forward_pre_hook(lambda m, args, n=n: seen.__setitem__(n, args[0]))
+        run.model.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: seen.__setitem__(n, inputs_of(m, a)))
         for n in layers
     ]
     try:
@@ -218,22 +238,25 @@ def run_pass(run: Run, inputs: torch.Tensor, targets: torch.Tensor, layers: list
     finally:
         for hook in hooks:
             hook.remove()
-    xs = {n: x for n, x in seen.items() if x.requires_grad}
-    wanted = [*aliases.values(), *xs.values()]
+    xs = {n: x for n, x in seen.items() if all(t.requires_grad for t in x)}
+    wanted = [*aliases.values(), *(t for x in xs.values() for t in x)]
     grads = torch.autograd.grad(loss, wanted)
     weight_grads = dict(zip(aliases, grads[: len(aliases)]))
-    return Pass(float(loss.detach()), weight_grads, dict(zip(xs, grads[len(aliases) :])))
+    rest = iter(grads[len(aliases) :])
+    return Pass(float(loss.detach()), weight_grads, {n: tuple(next(rest) for _ in x) for n, x in xs.items()})
 
 
 @contextmanager
-def quantized(run: Run, plan: dict[str, str], recipe: Recipe, seed: int, batch: int) -> Iterator[None]:
-    """The planned layers as QuantizedLinear while inside, then the plain ones back; stochastic
-    rounding seeded by the layer and the batch number (as the run's layers are by their backward pass)."""
+def quantized(run: Run, plan: dict[str, str], recipe: Recipe, seed: int, batch: int,
+              attention: AttentionRecipe | None = None) -> Iterator[None]:  # fmt: skip
+    """The planned layers as QuantizedLinear (cores as QuantizedAttention of `attention`) while
+    inside, then the plain ones back; stochastic rounding seeded by the layer and the batch number
+    (as the run's layers are by their backward pass)."""
     originals = {n: run.model.get_submodule(n) for n, f in plan.items() if f != HIGH}
-    swap_emulated(run.model, plan, recipe, seed, rank=0)
+    swap_emulated(run.model, plan, recipe, seed, rank=0, attention=attention)
     for name in originals:
         layer = run.model.get_submodule(name)
-        assert isinstance(layer, QuantizedLinear)
+        assert isinstance(layer, (QuantizedLinear, QuantizedAttention))
         layer.backward_passes = batch
     try:
         yield
@@ -245,10 +268,12 @@ def quantized(run: Run, plan: dict[str, str], recipe: Recipe, seed: int, batch: 
 def add_pass(row: Row, got: Pass, ref: Pass) -> None:
     row.diffs.append(got.loss - ref.loss)
     for name, grad in got.weight_grads.items():
+        assert row.weight_grad is not None  # a core's pass asks for no weight gradient
         row.weight_grad.add(grad, ref.weight_grads[name])
     if row.layer in got.input_grads:
         row.input_grad = row.input_grad or Agreement()
-        row.input_grad.add(got.input_grads[row.layer], ref.input_grads[row.layer])
+        for test, reference in zip(got.input_grads[row.layer], ref.input_grads[row.layer]):
+            row.input_grad.add(test, reference)  # q, k and v as one vector
 
 
 @dataclass
@@ -278,14 +303,16 @@ class Measured:
 
 
 def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: int,
-            advance: Callable[[str], None] = lambda what: None) -> Measured:  # fmt: skip
-    """The rows of every Linear layer and of WHOLE, in each format, over the first `batches`
-    validation batches; `advance` is called after every pass with what it measured (a progress bar)."""
-    model = run.model
-    layers, plans = candidates(run, formats)
-    size = {n: weight(model, n).numel() for n in layers}
+            advance: Callable[[str], None] = lambda what: None,
+            attention: AttentionRecipe | None = None) -> Measured:  # fmt: skip
+    """The rows of every Linear layer (with `attention`, every attention core too) and of WHOLE, in
+    each format, over the first `batches` validation batches; `advance` is called after every pass
+    with what it measured (a progress bar)."""
+    layers, plans = candidates(run, formats, attention is not None)
+    weights = {n: weight(run.model, n) for n in layers}
+    size = {n: 0 if w is None else w.numel() for n, w in weights.items()}
     quantizable = {f: [n for n, g in plans[f].items() if g != HIGH] for f in formats}
-    rows = {(n, f): Row(n, f, size[n]) for f in formats for n in layers}
+    rows = {(n, f): core_row(n, f) if weights[n] is None else Row(n, f, size[n]) for f in formats for n in layers}
     whole = {f: Row(WHOLE, f, sum(size[n] for n in quantizable[f])) for f in formats}
     ref_sum, seen = 0.0, 0
     for b, (inputs, targets) in enumerate(validation_batches(run, batches)):
@@ -294,10 +321,10 @@ def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: in
         advance(f"batch {b + 1}: the reference")
         for f in formats:
             for n in layers:
-                with quantized(run, {n: f}, recipe, seed, b):
+                with quantized(run, {n: f}, recipe, seed, b, attention):
                     add_pass(rows[n, f], run_pass(run, inputs, targets, [n]), ref)
                 advance(f"batch {b + 1}: {n} in {f}")
-            with quantized(run, plans[f], recipe, seed, b):
+            with quantized(run, plans[f], recipe, seed, b, attention):
                 add_pass(whole[f], run_pass(run, inputs, targets, quantizable[f]), ref)
             advance(f"batch {b + 1}: the whole model in {f}")
     if not seen:
@@ -305,22 +332,31 @@ def measure(run: Run, formats: list[str], batches: int, recipe: Recipe, seed: in
     return Measured(ref_sum / seen, [*rows.values(), *whole.values()], plans, seen)
 
 
-def candidates(run: Run, formats: list[str]) -> tuple[list[str], dict[str, dict[str, str]]]:
-    """The model's Linear layers and each format's plan as precision=<format> would make it; a model
-    whose plan quantizes nothing (no Linear layer, or only its output head) is one line."""
+def core_row(layer: str, fmt: str) -> Row:
+    return Row(layer, fmt, 0, weight_grad=None, core=True)
+
+
+def candidates(run: Run, formats: list[str], attention: bool = False) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The model's Linear layers (`attention`: and its attention cores, in model order) and each
+    format's plan as precision=<format> (precision.attention.format=<format>) would make it; a model
+    whose plan quantizes nothing (no Linear layer, or only its output head), or with `attention` and
+    no core, is one line."""
     model, name = run.model, type(run.model).__name__
+    if attention and not attention_cores(model):
+        raise SensitivityError(f"--attention: {name} has no attention core to measure (the GPT's blocks.N.attn.core, "
+                               "torch's fused attention in a module of its own); leave it out")  # fmt: skip
     layers = linear_layers(model)
     if not layers:
         raise SensitivityError(f"{run.checkpoint}: {name} has no Linear layer to compute in a format (the tool "
                                "measures Linear layers; convolutions, embeddings and norms are not quantized)",
                                )  # fmt: skip
-    plans = {f: plan_layers(model, f, []) for f in formats}
+    plans = {f: plan_layers(model, f, [], attention=f if attention else None) for f in formats}
     if all(g == HIGH for plan in plans.values() for g in plan.values()):
         only = f"only Linear layer, {layers[0]}, is its output head" if len(layers) == 1 else (
             f"Linear layers ({', '.join(layers)}) are all output heads")  # fmt: skip
         raise SensitivityError(f"{run.checkpoint}: {name}'s {only}, which a plan keeps high: no layer to measure "
                                "(convolutions are not quantized)")  # fmt: skip
-    return layers, plans
+    return list(plans[formats[0]]), plans  # every plan names the same modules, in model order
 
 
 def validation_batches(run: Run, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

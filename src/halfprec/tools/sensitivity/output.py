@@ -51,12 +51,16 @@ class Summary:
         return layer != WHOLE and self.row(layer, self.formats[0]).get("candidate", True)
 
     def layers(self) -> list[str]:
-        """The model's Linear layers in model order, WHOLE first."""
+        """The model's Linear layers (and attention cores, where measured) in model order, WHOLE first."""
         return [WHOLE, *dict.fromkeys(r["layer"] for r in self.rows if r["layer"] != WHOLE)]
+
+    def cores(self) -> list[str]:
+        """The attention cores measured (files from before them: none)."""
+        return [n for n in self.layers()[1:] if self.row(n, self.formats[0]).get("core", False)]
 
 
 def row_record(measured: Measured, row: Row) -> dict[str, Any]:
-    dx = row.input_grad
+    dx, dw = row.input_grad, row.weight_grad
     return {
         "layer": row.layer,
         "format": row.format,
@@ -66,15 +70,16 @@ def row_record(measured: Measured, row: Row) -> dict[str, Any]:
         "damage": measured.damage(row),
         "damage_se": measured.damage_se(row),
         "significant": measured.significant(row),
-        "weight_grad_cos": row.weight_grad.cosine,
-        "weight_grad_rel_err": row.weight_grad.rel_err,
+        "weight_grad_cos": None if dw is None else dw.cosine,  # an attention core: no weight
+        "weight_grad_rel_err": None if dw is None else dw.rel_err,
         "input_grad_cos": None if dx is None else dx.cosine,
         "input_grad_rel_err": None if dx is None else dx.rel_err,
+        "core": row.core,
     }
 
 
-def cell(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+def cell(value: float | None, fmt: str, none: str = "-") -> str:
+    return none if value is None else format(value, fmt)
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -105,8 +110,10 @@ def damage_table(summary: Summary) -> list[str]:
 def detail_table(summary: Summary) -> list[str]:
     """Every row with its gradients' agreement, sorted by damage."""
     rows = sorted(summary.rows, key=lambda r: r["damage"], reverse=True)
+    na = {True: "n/a", False: "-"}  # an attention core has no weight; a first layer no input gradient
     body = [[r["layer"], r["format"], damage_cell(r), cell(r["damage_se"], ".4f"),
-             cell(r["weight_grad_cos"], ".4f"), cell(r["weight_grad_rel_err"], ".3f"),
+             cell(r["weight_grad_cos"], ".4f", na[r.get("core", False)]),
+             cell(r["weight_grad_rel_err"], ".3f", na[r.get("core", False)]),
              cell(r["input_grad_cos"], ".4f"), cell(r["input_grad_rel_err"], ".3f")] for r in rows]  # fmt: skip
     header = ["layer", "format", "damage", "+-", "dW cos", "dW rel err", "dx cos", "dx rel err"]
     return markdown(header, body)
@@ -124,15 +131,24 @@ def recipe_text(recipe: dict[str, Any], formats: list[str]) -> str:
 
 
 def describe(summary: Summary) -> list[str]:
+    cores = summary.cores()
+    attention = (
+        f" Attention cores ({len(cores)}, e.g. {cores[0]}): their six GEMMs in the format, no weight (dW n/a, 0 "
+        "params), dx over their queries, keys and values; the reference computes them in torch's fused attention; "
+        "rules naming them need precision.attention.format."
+        if cores
+        else ""
+    )
     return [
         f"Run: {summary.run} (checkpoint of step {summary.step}); reference: precision={summary.precision} "
         f"with every Linear layer high, loss {summary.reference_loss:.4f} on {summary.batches} validation batches.",
         "Damage: the loss increase when the layer alone computes in the format (its forward GEMM changes the "
         f"loss); *: more than {SIGNIFICANT:g} standard errors over the batches (the others are within noise and "
         "are not ranked or suggested); dW, dx: cosine and relative error of the layer's weight and input gradients "
-        "with its three GEMMs in the format.",
-        f"Recipe: {recipe_text(summary.recipe, summary.formats)}. {WHOLE}: every layer precision=<format> would "
-        "quantize; (high): a layer it keeps high (the output head), measured alone for reference.",
+        f"with its three GEMMs in the format.{attention}",
+        f"Recipe: {recipe_text(summary.recipe, summary.formats)}. {WHOLE}: every layer precision=<format>"
+        f"{' precision.attention.format=<format>' if cores else ''} would quantize; (high): a layer it keeps high "
+        "(the output head), measured alone for reference.",
     ]
 
 

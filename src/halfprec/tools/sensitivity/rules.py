@@ -11,16 +11,19 @@ from halfprec.tools.sensitivity.measure import WHOLE, Measured, Row
 
 def ranked(measured: Measured, fmt: str) -> list[Row]:
     """The layers precision=<fmt> would quantize, most damaged first (ties: the larger weight-gradient
-    error first); the output head and other layers the plan keeps high are not candidates."""
+    error first; an attention core has none); the output head and other layers the plan keeps high
+    are not candidates."""
     planned = measured.plans[fmt]
     rows = [r for r in measured.rows if r.format == fmt and r.layer != WHOLE and planned.get(r.layer) != HIGH]
-    return sorted(rows, key=lambda r: (measured.damage(r), r.weight_grad.rel_err), reverse=True)
+    return sorted(rows, key=lambda r: (measured.damage(r), r.weight_grad.rel_err if r.weight_grad else 0.0),
+                  reverse=True)  # fmt: skip
 
 
 def keep_high(candidates: list[Row], keep: float, by: str, significant: Callable[[Row], bool]) -> list[Row]:
     """The first of `candidates` whose damage is `significant` that fit in the budget: `keep` of
     the candidates' number (rounded down), or of their parameters (by="params": in rank order,
-    skipping a layer that would overflow it). A damage within its noise makes no rule."""
+    skipping a layer that would overflow it; an attention core has none, so it always fits). A
+    damage within its noise makes no rule."""
     if by == "layers":
         return [r for r in candidates if significant(r)][: int(keep * len(candidates) + 1e-9)]
     chosen: list[Row] = []
@@ -41,3 +44,10 @@ def rules_list(layers: list[str]) -> str:
 def rules_override(layers: list[str]) -> str:
     """The rules as a train.py override, quoted for a POSIX shell (layer names hold no quote)."""
     return f"'precision.rules={rules_list(layers)}'"
+
+
+def suggested_override(rows: list[Row], fmt: str) -> str:
+    """The rules keeping `rows` high as train.py takes them; with an attention core among them, beside
+    precision.attention.format=`fmt`, without which a rule naming a core is a config error."""
+    rules = rules_override([r.layer for r in rows])
+    return f"{rules} precision.attention.format={fmt}" if any(r.core for r in rows) else rules
