@@ -144,7 +144,7 @@ SWITCH_FIELD = (
     '    weight_2d: Annotated[bool, Spec(doc="square weight blocks (nvfp4 16x16, fp8_block 128x128)")] = False\n',
     '    fp32_dgrad: Annotated[bool, Spec(doc="the input-gradient GEMM on fp32 operands")] = False\n',
 )
-SWITCH_BEHAVIOUR = """            dx = gemm(dyq, wq).to(ctx.x_dtype).reshape(ctx.shape)
+SWITCH_BEHAVIOUR = """            dx = gemm(dyq, wq, layer.accumulate["dgrad"]).to(ctx.x_dtype).reshape(ctx.shape)
 """
 SWITCH_YAML = "  scale_rule: floor "
 
