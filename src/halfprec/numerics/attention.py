@@ -37,7 +37,7 @@ from torch import nn
 
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.quantized import Operand, Recipe, gemm, quant_sums, seeded_generator
+from halfprec.numerics.quantized import BackwardDraws, Operand, Recipe, gemm, quant_sums
 from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
 
@@ -89,7 +89,7 @@ class ScaledDotProduct(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
-class QuantizedAttention(ScaledDotProduct):
+class QuantizedAttention(BackwardDraws, ScaledDotProduct):
     """Causal attention computed explicitly with its GEMMs in `format` (the module docstring); `gemms`
     says what its forward and backward GEMMs compute in (a precision schedule may change it). The
     recipe's grad_format gives the gradient operands (dO, dS) their format where the backward keeps
@@ -144,14 +144,6 @@ class QuantizedAttention(ScaledDotProduct):
         """Sums over the step's micro-batches, on the device (quant_sums, compared in fp32)."""
         assert self.stats is not None
         self.stats[operand] = quant_sums(t.float(), q, saturated) + self.stats.get(operand, 0)
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The generator of this backward pass's stochastic rounding of dO and dS (None: to nearest)."""
-        if not self.recipe.stochastic_grads:
-            return None
-        gen = seeded_generator(self.seed, self.backward_passes, device)
-        self.backward_passes += 1
-        return gen
 
     def rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q and K for S = QK^T: with `hadamard` (and a quantized forward), both rotated along d by the

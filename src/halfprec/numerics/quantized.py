@@ -109,7 +109,25 @@ def gemm_label(gemms: dict[str, str]) -> str:
 RECIPE_SWITCHES = tuple(name for name, hint in get_type_hints(Recipe).items() if hint is bool)
 
 
-class QuantizedLinear(nn.Linear):
+class BackwardDraws:
+    """The stochastic rounding of a quantized layer's backward passes (the recipe's stochastic_grads):
+    each pass draws from a generator seeded by the layer's `seed` and its count of passes so far."""
+
+    seed: int
+    recipe: Recipe
+    backward_passes: int
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The generator of this backward pass's stochastic rounding (None: rounded to nearest)."""
+        if not self.recipe.stochastic_grads:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.seed + self.backward_passes * SEED_STRIDE) % 2**63)
+        self.backward_passes += 1
+        return gen
+
+
+class QuantizedLinear(BackwardDraws, nn.Linear):
     """nn.Linear whose forward and backward GEMMs take their operands in `format` (see the module
     docstring). Stochastic rounding draws from a generator seeded by the layer's `seed` and the
     number of backward passes so far, which the state dict keeps: a resumed run draws what an
@@ -248,14 +266,6 @@ class QuantizedLinear(nn.Linear):
         for key, value in (("wgrad_exact", exact), ("wgrad_noise", dw - exact)):
             self.stats[key] = value + self.stats[key] if key in self.stats else value
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The generator of this backward pass's stochastic rounding (None: rounded to nearest)."""
-        if not self.recipe.stochastic_grads:
-            return None
-        gen = seeded_generator(self.seed, self.backward_passes, device)
-        self.backward_passes += 1
-        return gen
-
     def weight_grad_operands(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """dy and x for dW = dy^T x; with the recipe's Hadamard transform, both rotated along the
         tokens by the same orthogonal 16x16 matrix (tokens padded with zeros to a multiple of 16:
@@ -269,13 +279,6 @@ class QuantizedLinear(nn.Linear):
         if self.hadamard_matrix is None:  # one per layer, drawn from its seed
             self.hadamard_matrix = random_hadamard(HADAMARD_SIZE, torch.Generator().manual_seed(self.seed))
         return rotate(dy, self.hadamard_matrix, 0), rotate(x, self.hadamard_matrix, 0)
-
-
-def seeded_generator(seed: int, passes: int, device: torch.device) -> torch.Generator:
-    """The stochastic-rounding generator of a layer seeded `seed` for its backward pass after `passes`."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed + passes * SEED_STRIDE) % 2**63)
-    return gen
 
 
 def held_bytes(name: str, shape: torch.Size, tile: bool) -> int:
