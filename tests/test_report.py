@@ -684,9 +684,40 @@ def test_help_and_docstring_name_every_plot_the_report_writes(capsys):
     for text in (help_text, doc):
         for name in ("report.md", "loss.png", "scale.png", "sweep.png", "attn_logits.png", "logz.png"):
             assert name in text, (name, text)
-    for name in ("quant_err.png", "grad_noise.png", "quant_heatmap_<job>.png", "shadow_<format>_<job>.png"):
+    for name in (
+        "quant_err.png",
+        "grad_noise.png",
+        "quant_heatmap_<job>.png",
+        "shadow_<format>_<job>.png",
+        "eval_gap_<entry>.png",
+    ):
         assert name in doc, name  # (the help is cli.py's)
     assert "two plots" not in doc
+
+
+def test_evaluation_precisions_get_a_column_each_and_a_gap_plot(tmp_path, capsys):
+    """precision.eval's val/loss@<entry>: a column per entry after the val/* ones (mean ± std over seeds,
+    "-" for a job that did not evaluate in it), and eval_gap_<entry>.png of its distance above val/loss."""
+    jobs = []
+    for steps in ("100", "200"):
+        for seed in range(2):
+            gap = 0.01 * int(steps) / 100 + seed / 1000
+            job = FakeJob({"trainer.max_steps": steps, "seed": str(seed)}, decay(0.5, seed, steps=4))
+            job.extra = {i: {"val/loss": 1.0, "val/loss@mxfp4": 1.0 + gap * (i + 1)} for i in range(4)}
+            jobs.append(job)
+    jobs.append(FakeJob({"trainer.max_steps": "400", "seed": "0"}, decay(0.5, steps=4)))  # no precision.eval
+    sweep_dir = write_sweep(tmp_path / "sweep", jobs)
+    assert write_report(sweep_dir, tmp_path / "out") == 0
+    (group_header, groups), (job_header, per_job) = parse_tables(capsys.readouterr().out)
+    assert job_header[job_header.index("val/acc") + 1] == "val/loss@mxfp4"
+    assert [row["val/loss@mxfp4"] for row in per_job] == ["1.0400", "1.0440", "1.0800", "1.0840", "-"]
+    assert groups[1]["val/loss@mxfp4"] == f"1.0820 ± {statistics.stdev([1.08, 1.084]):.4f} (n=2)"
+    assert_png(tmp_path / "out" / "eval_gap_mxfp4.png")
+    from halfprec.tools.report.eval_plot import gap_job
+
+    gaps = gap_job(find_jobs(sweep_dir)[2], "val/loss@mxfp4", "gap").rows
+    assert [row["step"] for row in gaps] == [10, 20, 30, 40]
+    assert [round(row["gap"], 6) for row in gaps] == [0.02, 0.04, 0.06, 0.08]
 
 
 # Quantization statistics (an emulated number format with diagnostics=grads): on diagnostics steps,

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         "number such as optim.lr), for a transformer with diagnostics=grads attn_logits.png and logz.png, and "
         "for a number format with diagnostics=grads quant_err.png, grad_noise.png and quant_heatmap_<job>.png, with "
         "diagnostics.shadow shadow_<format>_<job>.png (each layer's error in that format over steps), and for a "
-        "run `halfprec sensitivity` measured sensitivity_<job>.png.",
+        "run `halfprec sensitivity` measured sensitivity_<job>.png; runs with precision.eval get a val/loss@<entry> "
+        "column per evaluation precision and eval_gap_<entry>.png (that val/loss above the run's own, against step).",
     )
     report.add_argument("path", type=Path, metavar="PATH", help="a run dir, a multirun sweep dir, or a dir of them")
     report.add_argument(

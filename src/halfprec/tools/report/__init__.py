@@ -15,7 +15,8 @@ precision) get, per job and shadow format, shadow_<format>_<job>.png: the relati
 would have on each layer (rows) at each diagnostics step (columns), a panel per operand (as many jobs
 as heatmaps). A sweep over precision.format gets
 bits.png (final val/loss against bits per value); a run `halfprec sensitivity` measured gets
-sensitivity_<job>.png.
+sensitivity_<job>.png; runs with precision.eval get a val/loss@<entry> column per evaluation
+precision and eval_gap_<entry>.png (that val/loss above the run's own, against step).
 
 Jobs whose overrides differ in the seed alone (or not at all) form a group: one configuration run
 several times. The group table and the plots show each group as mean ± std over its completed jobs;
@@ -27,7 +28,8 @@ tasks' metrics) once the tables are made: `halfprec --help` loads none of them.
 The modules: runs (finding and reading runs into Jobs), values (a metric's value in a job), groups
 (configurations and their statistics), columns (the metric columns, from
 halfprec/metrics.py), tables (the tables, their cells, report.md), looks, lines, yaxis,
-offchart and plots (line plots against step), sweep_plot (sweep.png), bits_plot (bits.png), quant
+offchart and plots (line plots against step), sweep_plot (sweep.png), bits_plot (bits.png), eval_plot
+(eval_gap_<entry>.png), quant
 (the quantization plots), shadow (the what-if formats' plots), sensitivity (the sensitivity
 heatmaps), upload (W&B).
 """
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from halfprec.metrics import TRAIN_LOSS, VAL_LOSS
 from halfprec.tools.report.bits_plot import bits_figure
+from halfprec.tools.report.eval_plot import write_eval_plots
 from halfprec.tools.report.plots import has_scaler, plot_lines, write_logit_plots
 from halfprec.tools.report.quant import write_quant_plots
 from halfprec.tools.report.runs import ReportError, find_jobs
@@ -91,6 +94,7 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
         bits.savefig(out / "bits.png", dpi=100)
         images.append(out / "bits.png")
     images += write_logit_plots(jobs, out, where)  # diagnostics=grads on a transformer (not on a plain MLP)
+    images += write_eval_plots(jobs, out, where)  # precision.eval's val/loss@<entry> against the run's own
     quant_images, notes = write_quant_plots(jobs, out, where)  # an emulated number format with diagnostics=grads
     images += quant_images
     shadow_images, shadow_notes = write_shadow_plots(jobs, out)  # diagnostics.shadow's what-if formats

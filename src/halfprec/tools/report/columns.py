@@ -1,7 +1,8 @@
 """The report's metric columns and a job's values in them, from the one list of metric names
-(halfprec/metrics.py): train/loss, the val/* metrics the registered tasks show, then the
-run-level RUN_METRICS; each with how its values print. "-" is a value never logged, "nan" one
-logged as null (metrics.jsonl writes inf and NaN as null).
+(halfprec/metrics.py): train/loss, the val/* metrics the registered tasks show, val/loss in each
+evaluation precision a job logged (precision.eval: val/loss@<entry>), then the run-level
+RUN_METRICS; each with how its values print. "-" is a value never logged, "nan" one logged as null
+(metrics.jsonl writes inf and NaN as null).
 
 The tasks package imports torch: it is imported once the tables are made, not with the report."""
 
@@ -44,16 +45,36 @@ def optional_columns() -> tuple[str, ...]:
     return (*(m.column for m in RUN_METRICS if m.optional), *(name for name in val_formats() if name != VAL_LOSS.name))
 
 
+EVAL_LOSS = VAL_LOSS.name + "@"  # numerics/evaluation.eval_key's val/loss in an evaluation precision
+
+
+def eval_losses(rows: list[dict]) -> list[str]:
+    """The val/loss@<entry> keys a job logged (precision.eval), in the order it logged them."""
+    return list(dict.fromkeys(key for row in rows for key in row if key.startswith(EVAL_LOSS)))
+
+
+def column_format(column: str) -> str | None:
+    """How a metric column's values print; None for a column that is not a metric (an override)."""
+    if column.startswith(EVAL_LOSS):
+        return VAL_LOSS.fmt
+    return metric_formats().get(column)
+
+
 def job_metrics(rows: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
-    """The table's metric columns for one job (keys as in metric_formats())."""
+    """The table's metric columns for one job (keys as in metric_formats(), and its val/loss@<entry>)."""
     return {
         TRAIN_LOSS.name: final(rows, TRAIN_LOSS.name),
         **{name: final(rows, name) for name in val_formats()},
+        **{key: final(rows, key) for key in eval_losses(rows)},
         **{metric.column: run_value(metric, rows, summary) for metric in RUN_METRICS},
     }
 
 
 def metric_columns(logged: list[dict[str, Any]]) -> list[str]:
-    """The metric columns, less the optional ones that no job logged (`logged`: job_metrics of each)."""
+    """The metric columns, less the optional ones that no job logged (`logged`: job_metrics of each),
+    with the val/loss@<entry> columns any job logged after the tasks' val/* ones."""
     optional = optional_columns()
-    return [c for c in metric_formats() if c not in optional or any(m[c] is not None for m in logged)]
+    shown = [c for c in metric_formats() if c not in optional or any(m[c] is not None for m in logged)]
+    evals = list(dict.fromkeys(key for m in logged for key in m if key.startswith(EVAL_LOSS)))
+    at = max((i + 1 for i, c in enumerate(shown) if c in val_formats()), default=len(shown))
+    return [*shown[:at], *evals, *shown[at:]]

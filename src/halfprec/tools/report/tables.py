@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from halfprec.tools.report.columns import job_metrics, metric_columns, metric_formats, spread_formats
+from halfprec.tools.report.columns import column_format, job_metrics, metric_columns, spread_formats
 from halfprec.tools.report.groups import COUNTED, Spread, group_jobs, is_seed, shown_overrides, spread, status_counts
 from halfprec.tools.report.runs import Job
 
@@ -21,7 +21,7 @@ def build_table(jobs: list[Job]) -> Table:
     header = ["job", *keys, *columns, "status"]
     rows = []
     for job, metrics in zip(jobs, logged):
-        rows.append([job.id, *(job.overrides.get(key) for key in keys), *(metrics[c] for c in columns), job.status])
+        rows.append([job.id, *(job.overrides.get(key) for key in keys), *(metrics.get(c) for c in columns), job.status])
     return header, rows
 
 
@@ -38,10 +38,10 @@ def build_group_table(jobs: list[Job]) -> Table | None:
     for group in groups:
         if len(group.jobs) == 1:
             (job,) = group.jobs
-            metrics, status = [logged[job.id][column] for column in columns], job.status
+            metrics, status = [logged[job.id].get(column) for column in columns], job.status
         else:
             each = [logged[job.id] for job in group.counted]
-            metrics = [spread([values[column] for values in each]) for column in columns]
+            metrics = [spread([values.get(column) for values in each]) for column in columns]
             status = status_counts(group.jobs)
         ids = ", ".join(job.id for job in group.jobs)
         rows.append([*(group.overrides.get(key) for key in keys), ids, *metrics, status])
@@ -52,20 +52,21 @@ def format_cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, Spread):
-        fmt = spread_formats().get(column, metric_formats()[column])
+        fmt = spread_formats().get(column) or column_format(column) or ""
         if math.isnan(value.mean):
             return f"nan (n={value.n})"
         std = "" if value.std is None else f" ± {format(value.std, fmt)}"
         return f"{format(value.mean, fmt)}{std} (n={value.n})"
     if isinstance(value, float) and math.isnan(value):
         return "nan"
-    if column in metric_formats() and isinstance(value, int | float):
-        return format(value, metric_formats()[column])
+    fmt = column_format(column)
+    if fmt is not None and isinstance(value, int | float):
+        return format(value, fmt)
     return str(value).replace("|", "\\|")  # a literal | would split the markdown cell
 
 
 def to_markdown(header: list[str], rows: list[list[Any]]) -> str:
-    align = ["---:" if column in metric_formats() else "---" for column in header]
+    align = ["---:" if column_format(column) is not None else "---" for column in header]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(format_cell(column, value) for column, value in zip(header, row)) + " |")

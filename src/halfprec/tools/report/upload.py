@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from halfprec.tools.report.columns import metric_formats
+from halfprec.tools.report.columns import column_format
 from halfprec.tools.report.groups import Spread
 from halfprec.tools.report.runs import Job, job_number
 from halfprec.tools.report.tables import Table
@@ -23,7 +23,7 @@ def wandb_table(header: list[str], rows: list[list[Any]]) -> Any:
     import wandb
 
     spread_columns = [
-        column in metric_formats() and any(isinstance(row[i], Spread) for row in rows)
+        column_format(column) is not None and any(isinstance(row[i], Spread) for row in rows)
         for i, column in enumerate(header)
     ]
     columns: list[str | int] = [  # wandb.Table's annotation; the names are all strings
