@@ -236,7 +236,7 @@ OPTION_SWEEPS = {
     # the experiments are digits-sized by default; at scale they take data=cifar10 (and a GPU)
     "experiment+cifar10": [
         "+experiment=glob(*,exclude=[lr_sensitivity,lm_precision,optimizer_precision,master_precision,fp4_recipe,"
-        "which_gemm,precision_schedule,shadow])",
+        "which_gemm,precision_schedule,shadow,attention_precision,ptq_vs_tokens,tensor_core_accumulation])",
         "data=cifar10",
         "data.num_workers=0",
     ],  # the image experiments (the others are task=lm)
