@@ -177,3 +177,21 @@ def test_cli_a_bad_preset_in_a_rule_is_one_line_and_exit_2(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1
     assert done.stderr.startswith("error: precision.rules[0].accumulate=volta: an accumulation preset: exact, hopper")
+
+
+def test_evaluation_layers_sum_as_the_runs_where_the_preset_has_an_instruction():
+    """precision.eval: fp8_e4m3_row's layers sum as hopper (the rule's hopper_promoted for blocks.0),
+    mxfp4's exactly (Hopper has no MXFP4 MMA), and the start line says so."""
+    from halfprec.numerics.evaluation import eval_layer
+
+    c, _ = build_from(*GPT, "precision=fp8_row", "precision.kernel=emulated", FP8_RULE, "precision.accumulate=hopper",
+                      "precision.eval=[fp8_e4m3_row,mxfp4]")  # fmt: skip
+    policy = c.stepper.policy
+    row, mx = policy.evals
+    name = "blocks.1.mlp.fc"
+    assert (row.sums(name), row.sums("blocks.0.mlp.fc"), mx.sums(name)) == ("hopper", "hopper_promoted", "exact")
+    layer = eval_layer(c.model.get_submodule(name), "fp8_e4m3_row", row, name)
+    assert presets(layer) == dict.fromkeys(("forward", "dgrad", "wgrad"), "hopper")
+    note = next(n for n in policy.notes if n.startswith("eval:"))
+    assert "fp8_e4m3_row (8 layers, summed as hopper, hopper_promoted)" in note
+    assert "mxfp4 (8 layers, exactly where hopper, hopper_promoted have no mxfp4 MMA)" in note
