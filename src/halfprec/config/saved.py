@@ -43,6 +43,8 @@ IMPLIED_BY_OLDER_CHECKPOINTS: dict[str, object] = {
     "diagnostics.shadow_attention": False,  # from before what-if statistics of attention
     "precision.eval": [],  # from before evaluation precisions: validation in the training precision only
     "precision.accumulate": "exact",  # from before modelled accumulation: fp32 GEMMs
+    # a rule's accumulate: null (precision.accumulate), QuantRule's default, written only where set (as_tree)
+    # attention's forward_accumulate, backward_accumulate: null (precision.accumulate), AttentionRecipe's defaults
 }
 # Keys spelled otherwise by older checkpoints: precision.fp8 (torchao's float8 recipe) became a
 # format on precision.kernel=native.
@@ -126,6 +128,7 @@ def as_tree(config: schema.Config) -> dict[str, Any]:
             value = asdict(value)
         if f.name == "precision":
             value["schedule"] = [given(phase) for phase in config.precision.schedule]
+            value["rules"] = [given_rule(rule) for rule in config.precision.rules]
         tree[f.name] = value
     return tree
 
@@ -135,6 +138,12 @@ def given(phase: schema.Phase) -> dict[str, Any]:
     start and what it changes; gemms defaults to all three)."""
     default = schema.Phase(format=phase.format)
     return {k: v for k, v in asdict(phase).items() if k == "format" or v != getattr(default, k)}
+
+
+def given_rule(rule: schema.QuantRule) -> dict[str, Any]:
+    """A rule as a config writes it: match and format, and accumulate where it names one (a rule
+    saved before the key existed reads back the same)."""
+    return {k: v for k, v in asdict(rule).items() if k != "accumulate" or v is not None}
 
 
 SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)

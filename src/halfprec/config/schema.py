@@ -54,7 +54,9 @@ class Precision:
     # the names of halfprec/numerics/formats and each rule's keys: config/validate.py, with the registry
     format: Annotated[str | None, Spec(doc="a number format of halfprec/numerics/formats, e.g. mxfp8; null = none")]
     recipe: Any  # numerics/quantized.Recipe (config/validate.py: check_recipe)
-    rules: Annotated[list[Any], Spec(doc="[{match: <glob on module names>, format: <format> | high}, ...]")]
+    rules: Annotated[
+        list[Any], Spec(doc="[{match: <glob on module names>, format: <format> | high, accumulate: <preset>}, ...]")
+    ]
     high_first: Annotated[int, Spec(low=0, doc="the first N transformer blocks stay high")]
     high_last: Annotated[int, Spec(low=0, doc="the last N transformer blocks stay high")]
     schedule: Annotated[list[Any], Spec(doc="phases changing GEMMs' formats over the run (numerics/schedule.py)")]
@@ -77,6 +79,10 @@ class Precision:
 class QuantRule:
     match: Annotated[str, Spec(nonempty=True, doc="a glob on module names, e.g. 'blocks.3.*'")]
     format: Annotated[str, Spec(doc="a number format of halfprec/numerics/formats, or high")]
+    # how its layers' GEMMs sum (numerics/accumulate.py's presets; checked with the registry)
+    accumulate: Annotated[
+        str | None, Spec(doc="an accumulation preset for its layers, e.g. hopper_promoted; null = precision.accumulate")
+    ] = None
 
 
 @dataclass

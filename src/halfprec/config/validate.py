@@ -23,6 +23,7 @@ from halfprec.spec import Spec, check_node, check_value, known_keys
 # the keys every optim config has (schema.Optim's), beside the optimizer's own arguments
 OPTIM_KEYS = tuple(f.name for f in fields(schema.Optim) if f.name != "args")
 BATCH_SIZE = Annotated[int, Spec(low=1, doc="the micro-batch size; effective batch = batch_size * accum")]
+RULE_KEYS = {f.name for f in fields(schema.QuantRule)}  # match and format; accumulate optional
 SCALAR_LR_SCALE = Annotated[float | None, Spec(above=0, doc="lr multiplier of Fixup's scalar biases")]
 
 
@@ -64,13 +65,23 @@ def check_recipe(p: DictConfig) -> None:
 
 
 def check_accumulate(p: DictConfig) -> None:
-    """precision.accumulate and the recipe's per-GEMM choices: presets of numerics/accumulate.py, for
-    the emulated layers (the native kernel sums as its GPU does)."""
+    """precision.accumulate, the recipe's per-GEMM choices, the rules' and attention's: presets of
+    numerics/accumulate.py, for the emulated layers (the native kernel sums as its GPU does)."""
     from halfprec.numerics.accumulate import EXACT, preset
 
     chosen = {"precision.accumulate": p.accumulate}
     for g in ("forward", "dgrad", "wgrad"):
         chosen[f"precision.recipe.{g}_accumulate"] = p.recipe.get(f"{g}_accumulate")
+    for g in ("forward", "backward"):
+        chosen[f"precision.attention.{g}_accumulate"] = p.attention.get(f"{g}_accumulate")
+        if p.attention.get(f"{g}_accumulate") is not None and not p.attention.format:
+            raise ConfigError(f"precision.attention.{g}_accumulate", p.attention[f"{g}_accumulate"], "sums quantized "
+                              "attention's GEMMs: set precision.attention.format too")  # fmt: skip
+    for i, rule in enumerate(p.rules):
+        chosen[f"precision.rules[{i}].accumulate"] = rule.get("accumulate")
+        if rule.get("accumulate") is not None and rule.format == "high" and not p.schedule:
+            raise ConfigError(f"precision.rules[{i}].accumulate", rule.accumulate, "sums quantized layers' GEMMs, and "
+                              "this rule keeps its layers high: drop it, or give the rule a format")  # fmt: skip
     for key, name in chosen.items():
         if name is not None:
             preset(name, key)
@@ -96,8 +107,9 @@ def check_quantization(p: DictConfig) -> None:
     in validate_components)."""
     for i, rule in enumerate(p.rules):
         key = f"precision.rules[{i}]"
-        if not isinstance(rule, DictConfig) or set(rule) != {"match", "format"}:
-            raise ConfigError(key, rule, "a rule is {match: <glob on module names>, format: <format> | high}")
+        if not isinstance(rule, DictConfig) or not {"match", "format"} <= set(rule) <= RULE_KEYS:
+            raise ConfigError(key, rule, "a rule is {match: <glob on module names>, format: <format> | high}, "
+                              "optionally accumulate: <preset>")  # fmt: skip
         check_node(rule, schema.QuantRule, key, "a rule")
     for i, phase in enumerate(p.schedule):
         key = f"precision.schedule[{i}]"
@@ -152,9 +164,8 @@ def validate_components(cfg: DictConfig) -> None:
     from halfprec.numerics.formats import FORMATS
 
     check_recipe(cfg.precision)
-    check_accumulate(cfg.precision)
-
     check_attention(cfg.precision)
+    check_accumulate(cfg.precision)
     rules.check_formats(cfg.precision, FORMATS)
     rules.check_shadow(cfg.diagnostics, FORMATS)
     task = chosen(cfg, "task.name", TASKS, "tasks registered in halfprec.components.tasks")

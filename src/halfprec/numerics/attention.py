@@ -14,7 +14,10 @@ FlashAttention does, with the GEMMs on quantized operands and the rest in fp32:
                dK = q(dS along queries)^T q(Q along queries)
 
 each operand blocked along the dimension its GEMM contracts (as cuDNN's MXFP8 attention: Q and K
-along d, P and V along the keys) and multiplied by quantized.gemm, batched over batch x heads.
+along d, P and V along the keys) and multiplied by quantized.gemm, batched over batch x heads: the
+forward's two summed as one preset of numerics/accumulate.py says, the backward's four as another
+(`accumulate`: AttentionRecipe's forward_accumulate and backward_accumulate, else the core's rule's
+or precision.accumulate; exact by default).
 rowsum(dO O) is FlashAttention's and cuDNN's form of rowsum(P dP), from the output as returned.
 P is kept for the backward (FlashAttention recomputes it: the same values, less memory).
 
@@ -35,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from halfprec.numerics.accumulate import EXACT
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.quantized import BackwardDraws, Operand, Recipe, gemm, quant_sums
+from halfprec.numerics.quantized import BackwardDraws, Operand, Recipe, checked_presets, format_kind, gemm, quant_sums
 from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
 
@@ -45,6 +49,9 @@ ATTENTION_GEMMS = ("forward", "backward")  # S = QK^T and O = PV; dV, dP, dQ, dK
 # the operands whose quantization statistics are kept (diagnostics=grads: quant/<core>/<operand>/...)
 ATTENTION_OPERANDS = ("query", "key", "value", "probs", "grad_output", "grad_scores")
 ATTENTION_DOC = "null = precision.attention.format; high = unquantized; or a format for its GEMMs' operands"
+ATTENTION_ACCUMULATE_DOC = (
+    "how {} sum: a preset of numerics/accumulate.py; null = the core's rule's accumulate, else precision.accumulate"
+)
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,20 @@ class AttentionRecipe:
     hadamard: Annotated[
         bool, Spec(doc="FlashAttention-3's random-sign Hadamard transform of Q and K along the head dimension")
     ] = False
+    # how its GEMMs sum (numerics/accumulate.py): attention's own, as the recipe's per-GEMM keys are the Linear layers'
+    forward_accumulate: Annotated[str | None, Spec(doc=ATTENTION_ACCUMULATE_DOC.format("S = QK^T and O = PV"))] = None
+    backward_accumulate: Annotated[str | None, Spec(doc=ATTENTION_ACCUMULATE_DOC.format("dV, dP, dQ and dK"))] = None
 
     def gemms(self, fmt: str) -> dict[str, str]:
         """What the forward and the backward GEMMs of an attention in `fmt` compute in: a format, or high."""
         return {g: getattr(self, g) or fmt for g in ATTENTION_GEMMS}
+
+    def accumulations(self, default: str, default_key: str) -> tuple[dict[str, str], dict[str, str]]:
+        """The forward's and the backward's accumulation presets: attention's own, else `default`
+        (the core's rule's, else precision.accumulate: `default_key`); and the key that chose each."""
+        names = {g: getattr(self, f"{g}_accumulate") or default for g in ATTENTION_GEMMS}
+        own = {g: f"precision.attention.{g}_accumulate" for g in ATTENTION_GEMMS if getattr(self, f"{g}_accumulate")}
+        return names, {g: own.get(g, default_key) for g in ATTENTION_GEMMS}
 
 
 def attention_label(gemms: dict[str, str]) -> str:
@@ -102,10 +119,14 @@ class QuantizedAttention(BackwardDraws, ScaledDotProduct):
 
     eager_under_compile = True  # quantized.keep_eager
 
-    def __init__(self, fmt: str, attention: AttentionRecipe, recipe: Recipe, seed: int):
+    def __init__(self, fmt: str, attention: AttentionRecipe, recipe: Recipe, seed: int, accumulate: str = EXACT,
+                 accumulate_key: str = "precision.accumulate"):  # fmt: skip
         super().__init__()
         self.format, self.attention, self.recipe, self.seed = fmt, attention, recipe, seed
         self.gemms = attention.gemms(fmt)
+        # how the forward's and the backward's GEMMs sum: attention's presets, else `accumulate` (accumulate_key's)
+        names, keys = attention.accumulations(accumulate, accumulate_key)
+        self.accumulate = checked_presets(names, self.gemms, keys)
         self.hadamard_matrix: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] | None = None
         self.backward_passes = 0
@@ -128,16 +149,20 @@ class QuantizedAttention(BackwardDraws, ScaledDotProduct):
         if grad and name == self.format and self.recipe.grad_format:
             name = self.recipe.grad_format
         if name == HIGH:  # fp32 for the 16-bit dtypes; fp64 stays (a gradient check's)
-            return Operand(t.to(high).to(torch.promote_types(high, torch.float32)), None, high == torch.bfloat16)
+            values = t.to(high).to(torch.promote_types(high, torch.float32))
+            return Operand(values, None, high == torch.bfloat16, element=str(high).removeprefix("torch."))
         fmt = FORMATS[name]
         rule = self.recipe.scale_rule if fmt.scale == "e8m0" else "floor"
         counting = record is not None and self.stats is not None
         rounding = "nearest" if generator is None else "stochastic"
-        q = quantize(t, name, axis, rounding, generator, scale_rule=rule, count_saturated=counting, split=True)
+        scaled = not self.accumulate[gemm_group].exact and format_kind(name) in ("mx", "fp4")  # a block-scaled MMA's
+        q = quantize(t, name, axis, rounding, generator, scale_rule=rule, count_saturated=counting, split=True,
+                     block_scales=scaled)  # fmt: skip
         if counting:
             self.record(str(record), t, q.values if q.factor is None else q.values * q.factor, q.saturated)
         block = fmt.block if fmt.factor == "block" and isinstance(fmt.block, int) else None
-        return Operand(q.values, q.factor, fmt.exact_in_bf16, block)
+        per = fmt.block if q.scales is not None and isinstance(fmt.block, int) else 0
+        return Operand(q.values, q.factor, fmt.exact_in_bf16, block, fmt.element.name, q.scales, per)
 
     @torch.no_grad()
     def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
@@ -187,12 +212,12 @@ class QuantizedAttentionFunction(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             qr, kr = core.rotated(q3, k3)
             f = "forward"
+            acc = core.accumulate[f]
             s = gemm(core.operand(qr, f, -1, out_dtype, record="query"),
-                     core.operand(kr, f, -1, out_dtype, record="key").t())  # fmt: skip
+                     core.operand(kr, f, -1, out_dtype, record="key").t(), acc)  # fmt: skip
             p = causal_softmax(s, scale)
-            o = gemm(
-                core.operand(p, f, -1, out_dtype, record="probs"), core.operand(v3, f, -2, out_dtype, record="value")
-            )
+            o = gemm(core.operand(p, f, -1, out_dtype, record="probs"),
+                     core.operand(v3, f, -2, out_dtype, record="value"), acc)  # fmt: skip
         o = o.to(out_dtype)
         ctx.save_for_backward(q3, k3, v3, p, o)
         ctx.core, ctx.shapes, ctx.scale, ctx.high = core, (q.shape, k.shape, v.shape), scale, out_dtype
@@ -203,19 +228,20 @@ class QuantizedAttentionFunction(torch.autograd.Function):
         q, k, v, p, o = ctx.saved_tensors
         core: QuantizedAttention = ctx.core
         high, b = ctx.high, "backward"
+        acc = core.accumulate[b]
         do = grad.reshape(o.shape)
         gen = core.generator(do.device)
         # statistics: each operand where first quantized (Q, K, V and P in the forward, unless it is high)
         first = {n: n if core.gemms["forward"] == HIGH else None for n in ("query", "key", "value", "probs")}
         dv = gemm(core.operand(p, b, -2, high, record=first["probs"]).t(),
-                  core.operand(do, b, -2, high, True, "grad_output", gen))  # fmt: skip
+                  core.operand(do, b, -2, high, True, "grad_output", gen), acc)  # fmt: skip
         dp = gemm(core.operand(do, b, -1, high, True, generator=gen),
-                  core.operand(v, b, -1, high, record=first["value"]).t())  # fmt: skip
+                  core.operand(v, b, -1, high, record=first["value"]).t(), acc)  # fmt: skip
         rows = (do.to(p.dtype) * o.to(p.dtype)).sum(-1, keepdim=True)  # rowsum(P dP) in exact arithmetic
         ds = p * (dp - rows) * ctx.scale
         dq = gemm(core.operand(ds, b, -1, high, True, "grad_scores", gen),
-                  core.operand(k, b, -2, high, record=first["key"]))  # fmt: skip
+                  core.operand(k, b, -2, high, record=first["key"]), acc)  # fmt: skip
         dk = gemm(core.operand(ds, b, -2, high, True, generator=gen).t(),
-                  core.operand(q, b, -2, high, record=first["query"]))  # fmt: skip
+                  core.operand(q, b, -2, high, record=first["query"]), acc)  # fmt: skip
         dq, dk, dv = (g.to(t.dtype).reshape(shape) for g, t, shape in zip((dq, dk, dv), (q, k, v), ctx.shapes))
         return dq, dk, dv, None

@@ -7,7 +7,10 @@ Linear layers the run's plan would quantize (precision.rules, high_first and hig
 rule's format only says that a layer is quantized: every quantized layer takes the entry's format;
 the output head stays high), their forward GEMM as QuantizedLinear computes it, rounded to nearest.
 Where the run quantizes attention (precision.attention.format), its attention cores take the entry
-too: high is torch's fused attention, a format QuantizedAttention's GEMMs in it.
+too: high is torch's fused attention, a format QuantizedAttention's GEMMs in it. A quantized layer's
+forward sums as the run's layer would (numerics/accumulate.py: the recipe's or attention's forward
+preset, the layer's rule's, precision.accumulate) where that preset has an instruction for the
+entry's format, else exactly (eval_sums); the start line says which.
 
 `layers_in` swaps the layers for the evaluation, sharing their Parameters, and puts the very
 modules it found back after it: the training's layers, their counters and statistics are not
@@ -18,16 +21,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from halfprec.errors import ConfigError
+from halfprec.numerics.accumulate import EXACT, PRESETS
 from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention, ScaledDotProduct
 from halfprec.numerics.converters import layer_format
-from halfprec.numerics.layers import plan_layers, planned_modules
-from halfprec.numerics.quantized import QuantizedLinear, Recipe
+from halfprec.numerics.layers import attention_cores, layer_accumulate, plan_layers, planned_modules
+from halfprec.numerics.quantized import QuantizedLinear, Recipe, format_kind
 from halfprec.numerics.settings import HIGH, RuleSettings
 
 
@@ -44,10 +48,18 @@ class EvalPrecision:
     plan: dict[str, str]
     recipe: Recipe  # what the quantized layers' forward reads of it: scale_rule, weight_2d
     attention: AttentionRecipe | None = None  # the attention cores' in the entry's format, where the run quantizes them
+    # the preset each quantized layer's forward would sum with in the run (eval_sums: what it sums with here)
+    accumulate: dict[str, str] = field(default_factory=dict)
 
     @property
     def quantized(self) -> int:
         return sum(f != HIGH for f in self.plan.values())
+
+    def sums(self, name: str) -> str:
+        """How layer `name`'s forward sums in the entry: the run's preset where it has an instruction
+        for the entry's format (accumulate.KINDS), else exact."""
+        preset = self.accumulate.get(name, EXACT)
+        return preset if format_kind(self.entry) in PRESETS[preset].instructions else EXACT
 
 
 def eval_plan(model: nn.Module, entry: str, rules: Sequence[RuleSettings], high_first: int = 0,
@@ -77,39 +89,62 @@ def eval_recipe(recipe: Recipe, entry: str) -> Recipe:
 
 
 def eval_precisions(model: nn.Module, entries: Sequence[str], recipe: Recipe, rules: Sequence[RuleSettings],
-                    high_first: int = 0, high_last: int = 0,
-                    attention: AttentionRecipe | None = None) -> list[EvalPrecision]:  # fmt: skip
+                    high_first: int = 0, high_last: int = 0, attention: AttentionRecipe | None = None,
+                    accumulate: str = EXACT) -> list[EvalPrecision]:  # fmt: skip
     """precision.eval's entries planned on `model` (its layers as the run computes them); `attention`:
-    the run's precision.attention (its cores take each entry too where it quantizes them)."""
+    the run's precision.attention (its cores take each entry too where it quantizes them);
+    `accumulate`: precision.accumulate (the module docstring)."""
     on = attention.format if attention is not None else None
     hadamard = attention is not None and attention.hadamard
-    return [
-        EvalPrecision(
-            e,
-            eval_plan(model, e, rules, high_first, high_last, on),
-            eval_recipe(recipe, e),
-            None if e == HIGH or not on else AttentionRecipe(e, hadamard=hadamard),
-        )  # fmt: skip
-        for e in entries
-    ]
+    cores, precisions = set(attention_cores(model)), []
+    for e in entries:
+        plan = eval_plan(model, e, rules, high_first, high_last, on)
+        quantized = [n for n, f in plan.items() if f != HIGH]
+        sums = {n: forward_preset(n, n in cores, recipe, attention, rules, accumulate) for n in quantized}
+        core = None if e == HIGH or not on else AttentionRecipe(e, hadamard=hadamard)
+        precisions.append(EvalPrecision(e, plan, eval_recipe(recipe, e), core, sums))
+    return precisions
+
+
+def forward_preset(name: str, core: bool, recipe: Recipe, attention: AttentionRecipe | None,
+                   rules: Sequence[RuleSettings], accumulate: str) -> str:  # fmt: skip
+    """The preset the run's layer `name` (an attention `core`, or a Linear layer) sums its forward with."""
+    own = attention.forward_accumulate if core and attention is not None else recipe.forward_accumulate
+    return own or layer_accumulate(name, rules, accumulate)[0]
 
 
 def eval_note(precisions: Sequence[EvalPrecision]) -> str:
-    """The start line saying what each validation adds."""
-    shown = ", ".join(p.entry if p.entry == HIGH else f"{p.entry} ({p.quantized} layers)" for p in precisions)
+    """The start line saying what each validation adds (and how its layers sum, where the run models it)."""
+    shown = ", ".join(HIGH if p.entry == HIGH else f"{p.entry} ({p.quantized} layers{summed(p)})" for p in precisions)
     return f"eval: each validation also in {shown}: val/<metric>@<precision>"
 
 
-def eval_layer(module: nn.Module, fmt: str, precision: EvalPrecision) -> nn.Module:
+def summed(p: EvalPrecision) -> str:
+    """How an entry's layers sum, where the run models its sums: the presets, exact where they have no
+    instruction for the entry's format ("" where every layer of the run sums exactly)."""
+    wanted = {n: a for n, a in p.accumulate.items() if a != EXACT}
+    if not wanted:
+        return ""
+    used = sorted({p.sums(n) for n in wanted} - {EXACT})
+    missing = sorted({a for n, a in wanted.items() if p.sums(n) == EXACT})
+    parts = [f"summed as {', '.join(used)}"] if used else []
+    if missing:
+        parts.append(f"exactly where {', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no {p.entry} MMA")
+    return ", " + "; ".join(parts)
+
+
+def eval_layer(module: nn.Module, fmt: str, precision: EvalPrecision, name: str = "") -> nn.Module:
     """`module` (a Linear layer or an attention core, plain or quantized) as the evaluation computes it
     in `fmt`, sharing its Parameters: high is a plain nn.Linear or torch's fused attention (or the
     module itself, if it is not quantized); a format is a QuantizedLinear or QuantizedAttention (the
-    core's seed kept: the same Hadamard). Built on the meta device: no memory, no random draws for an init."""
+    core's seed kept: the same Hadamard), summing as precision.sums(`name`). Built on the meta device:
+    no memory, no random draws for an init."""
     if isinstance(module, ScaledDotProduct):
         if fmt == HIGH:
             return module if type(module) is ScaledDotProduct else ScaledDotProduct()
         assert precision.attention is not None
-        return QuantizedAttention(fmt, precision.attention, precision.recipe, getattr(module, "seed", 0))
+        seed = getattr(module, "seed", 0)
+        return QuantizedAttention(fmt, precision.attention, precision.recipe, seed, precision.sums(name))
     assert isinstance(module, nn.Linear)
     if fmt == HIGH and layer_format(module) == HIGH:
         return module
@@ -117,9 +152,8 @@ def eval_layer(module: nn.Module, fmt: str, precision: EvalPrecision) -> nn.Modu
     if fmt == HIGH:
         layer = nn.Linear(module.in_features, module.out_features, False, "meta", w.dtype)
     else:
-        layer = QuantizedLinear(
-            module.in_features, module.out_features, False, fmt, precision.recipe, 0, "meta", w.dtype
-        )
+        layer = QuantizedLinear(module.in_features, module.out_features, False, fmt, precision.recipe, 0, "meta",
+                                w.dtype, accumulate=precision.sums(name))  # fmt: skip
     layer.weight, layer.bias = module.weight, module.bias
     return layer
 
@@ -131,7 +165,7 @@ def layers_in(model: nn.Module, precision: EvalPrecision) -> Iterator[None]:
     originals = {name: model.get_submodule(name) for name in precision.plan}
     try:
         for name, fmt in precision.plan.items():
-            model.set_submodule(name, eval_layer(originals[name], fmt, precision))
+            model.set_submodule(name, eval_layer(originals[name], fmt, precision, name))
         yield
     finally:
         for name, module in originals.items():

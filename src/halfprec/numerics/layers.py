@@ -9,7 +9,8 @@ layers and stay high; so does the output head (a model's `keep_high` names, else
 layer) unless a rule names it. With precision.attention.format set, the attention cores (the GPT's
 blocks.N.attn.core) are planned too, by the same rules and high blocks, that format their default;
 without it they stay torch's fused attention. A converter (numerics/converters) swaps the planned
-modules.
+modules. The rule that gives a layer its format may say how its GEMMs sum too (`accumulate`, else
+precision.accumulate: layer_accumulate).
 """
 
 from __future__ import annotations
@@ -117,9 +118,21 @@ def plan_layers(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings]
     return plan
 
 
+def layer_accumulate(name: str, rules: Sequence[RuleSettings], default: str) -> tuple[str, str]:
+    """How a planned layer's GEMMs sum, and the key that says so: the accumulate of the rule that
+    gives its format (the first whose glob matches), where it names one; else precision.accumulate
+    (`default`). The recipe's per-GEMM presets (and attention's own) still override it, GEMM by GEMM."""
+    for i, rule in enumerate(rules):
+        if fnmatchcase(name, rule.match):
+            if rule.accumulate is not None:
+                return rule.accumulate, f"precision.rules[{i}].accumulate"
+            break
+    return default, "precision.accumulate"
+
+
 def shadowed_rules(model: nn.Module, rules: Sequence[RuleSettings], attention: str | None = None) -> list[str]:
     """Rules that never apply because earlier ones take every layer they match (the first matching
-    rule wins): a ConfigError when the rule's format differs (what it asks for would not happen),
+    rule wins): a ConfigError when the rule's format or accumulate differs (what it asks for would not happen),
     else a warning line (it repeats an earlier rule: a no-op). `attention`: plan_layers'."""
     linears = planned_modules(model, attention)
     matches = [[n for n in linears if fnmatchcase(n, rule.match)] for rule in rules]
@@ -133,7 +146,7 @@ def shadowed_rules(model: nn.Module, rules: Sequence[RuleSettings], attention: s
             continue  # a rule that matches nothing is plan_layers' error
         takers = sorted({first[n] for n in names})
         by = ", ".join(f"precision.rules[{j}] (match {rules[j].match}, format {rules[j].format})" for j in takers)
-        if any(rules[first[n]].format != rule.format for n in names):
+        if any(decides(rules[first[n]]) != decides(rule) for n in names):
             raise ConfigError(
                 f"precision.rules[{i}].match", rule.match, f"every layer it matches is taken by {by} first (the "
                 f"first rule that matches a layer decides it): move it above, or narrow the earlier glob",
@@ -141,6 +154,11 @@ def shadowed_rules(model: nn.Module, rules: Sequence[RuleSettings], attention: s
         lines.append(f"warning: precision.rules[{i}].match={rule.match} changes nothing: {by} gives its layers "
                      f"{rule.format} first; drop it")  # fmt: skip
     return lines
+
+
+def decides(rule: RuleSettings) -> tuple[str, str | None]:
+    """What a rule gives its layers: a format, and how their GEMMs sum."""
+    return rule.format, rule.accumulate
 
 
 def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings], high_first: int,

@@ -142,7 +142,8 @@ class PrecisionPolicy:
         entry that quantizes nothing says so before the first step."""
         p = self.config
         if p.eval:
-            self.evals = eval_precisions(model, p.eval, p.recipe, p.rules, p.high_first, p.high_last, p.attention)
+            self.evals = eval_precisions(model, p.eval, p.recipe, p.rules, p.high_first, p.high_last, p.attention,
+                                         p.accumulate)  # fmt: skip
             self.notes.append(eval_note(self.evals))
 
     def enter_phase(self, model: nn.Module, phase: int) -> None:

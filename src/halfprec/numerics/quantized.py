@@ -138,13 +138,14 @@ class QuantizedLinear(BackwardDraws, nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, recipe: Recipe, seed: int,
                  device: Any = None, dtype: torch.dtype | None = None, compiled: bool = False,
-                 accumulate: str = accumulate.EXACT):  # fmt: skip
+                 accumulate: str = accumulate.EXACT, accumulate_key: str = "precision.accumulate"):  # fmt: skip
         super().__init__(in_features, out_features, bias, device, dtype)
         self.format, self.recipe, self.seed = fmt, recipe, seed
         self.compiled = compiled  # the quantizer through torch.compile (formats.compiled_quantizer)
         # each GEMM's format or high: the recipe's, then what a precision schedule's phase sets
         self.gemms = recipe.gemms(fmt)
-        self.accumulate = accumulations(recipe, accumulate, self.gemms)
+        # each GEMM's preset: the recipe's, else `accumulate` (precision.accumulate or the rule's: accumulate_key)
+        self.accumulate = accumulations(recipe, accumulate, self.gemms, accumulate_key)
         self.backward_passes = 0
         self.stats: dict[str, torch.Tensor] | None = None
         self.hadamard_matrix: torch.Tensor | None = None
@@ -152,12 +153,12 @@ class QuantizedLinear(BackwardDraws, nn.Linear):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, fmt: str, recipe: Recipe, seed: int, compiled: bool = False,
-        accumulate: str = accumulate.EXACT,
+        accumulate: str = accumulate.EXACT, accumulate_key: str = "precision.accumulate",
     ) -> QuantizedLinear:  # fmt: skip
         """The same Parameters (a tied weight stays tied) in a layer that quantizes them."""
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, False, fmt, recipe, seed, w.device, w.dtype, compiled,
-                    accumulate)  # fmt: skip
+                    accumulate, accumulate_key)  # fmt: skip
         layer.weight, layer.bias = linear.weight, linear.bias
         return layer
 
@@ -403,6 +404,8 @@ def gemm(a: Operand, b: Operand, accumulation: Accumulation | None = None) -> to
     product first, as cuBLAS takes one alpha and DeepGEMM one scale per chunk); with a modelled
     `accumulation`, summed as its tensor cores sum (matrices only). Matrices, or batches of them with
     the same leading dimensions (attention's batch x heads)."""
+    if accumulation is not None and not accumulation.exact and a.values.dim() > 2:  # one batch dimension
+        return torch.stack([modelled(matrix(a, i), matrix(b, i), accumulation) for i in range(a.values.shape[0])])
     if accumulation is not None and not accumulation.exact:
         return modelled(a, b, accumulation)
     block = a.block or b.block
@@ -411,6 +414,15 @@ def gemm(a: Operand, b: Operand, accumulation: Accumulation | None = None) -> to
     y = product(a.values, b.values, a.bf16 and b.bf16)
     factor = times(a.factor, b.factor)
     return y if factor is None else y * factor
+
+
+def matrix(op: Operand, i: int) -> Operand:
+    """Matrix `i` of a batch of operands (a per-tensor factor is the whole batch's)."""
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return x if x is None or x.dim() < op.values.dim() else x[i]
+
+    return op._replace(values=op.values[i], factor=pick(op.factor), scales=pick(op.scales))
 
 
 def blockwise(a: Operand, b: Operand, size: int) -> torch.Tensor:
@@ -462,8 +474,8 @@ SUBNORMAL = {name: e.emin for name, e in ELEMENTS.items()}  # where each element
 
 def operand_kind(op: Operand) -> str | None:
     """The kind of MMA a GEMM's operand takes (accumulate.KINDS): None for MXINT8, which has none."""
-    if op.element in ("bfloat16", "float16", "float32"):
-        return {"bfloat16": "bf16", "float32": "fp32"}.get(op.element, op.element)
+    if op.element in ("bfloat16", "float16", "float32", "float64"):  # float64: a gradient check's, no tensor core
+        return {"bfloat16": "bf16", "float32": "fp32", "float64": "fp32"}.get(op.element, op.element)
     if op.element == "int8":
         return None
     if op.scales is None:
@@ -492,17 +504,23 @@ def elements(op: Operand, axis: int) -> torch.Tensor:
     return torch.where(scales > 0, op.values / scales, 0.0)
 
 
-def accumulations(recipe: Recipe, default: str, gemms: dict[str, str]) -> dict[str, Accumulation]:
-    """Each GEMM's preset (accumulate.preset), checked at build against its operands' kind: a GEMM
-    the preset's GPU has no instruction for is a one-line ConfigError (a high GEMM's operands are
-    checked when it runs, once its dtype is known)."""
-    names = recipe.accumulations(default)
+def accumulations(recipe: Recipe, default: str, gemms: dict[str, str],
+                  default_key: str = "precision.accumulate") -> dict[str, Accumulation]:  # fmt: skip
+    """Each GEMM's preset: the recipe's for it, else `default` (precision.accumulate, or the layer's
+    rule's: `default_key`, the key an error names)."""
+    keys = {g: f"precision.recipe.{g}_accumulate" for g in GEMMS if getattr(recipe, f"{g}_accumulate")}
+    return checked_presets(recipe.accumulations(default), gemms, {g: keys.get(g, default_key) for g in GEMMS})
+
+
+def checked_presets(names: dict[str, str], gemms: dict[str, str], keys: dict[str, str]) -> dict[str, Accumulation]:
+    """Each GEMM's preset `names[g]` (accumulate.preset), checked at build against its operands' kind:
+    a GEMM the preset's GPU has no instruction for is a one-line ConfigError naming `keys[g]` (a high
+    GEMM's operands are checked when it runs, once its dtype is known)."""
     chosen = {}
-    for g in GEMMS:
-        key = f"precision.recipe.{g}_accumulate" if getattr(recipe, f"{g}_accumulate") else "precision.accumulate"
-        chosen[g] = accumulate.preset(names[g], key)
+    for g, name in names.items():
+        chosen[g] = accumulate.preset(name, keys[g])
         if gemms[g] != HIGH:
-            accumulate.instruction(chosen[g], format_kind(gemms[g]), f"{g} in {gemms[g]}", key)
+            accumulate.instruction(chosen[g], format_kind(gemms[g]), f"{g} in {gemms[g]}", keys[g])
     return chosen
 
 

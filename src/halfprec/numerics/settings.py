@@ -15,12 +15,16 @@ HIGH = "high"  # not quantized: a layer, or one of its GEMMs, computes in the ru
 
 
 class RuleSettings(Protocol):
-    """One of precision.rules: the first whose glob matches a layer's name gives its format."""
+    """One of precision.rules: the first whose glob matches a layer's name gives its format (and, where
+    it names one, how its GEMMs sum)."""
 
     @property
     def match(self) -> str: ...
     @property
     def format(self) -> str: ...  # a format of numerics/formats, or high
+    # how its layers' GEMMs sum: a preset of numerics/accumulate.py; None = precision.accumulate
+    @property
+    def accumulate(self) -> str | None: ...
 
 
 class PhaseSettings(Protocol):

@@ -66,7 +66,8 @@ def measure(run: Run, entries: list[str], rules: list[QuantRule], given: bool = 
     `given`: the rules came from --rules (an error names it)."""
     p = run.config.precision
     try:
-        precisions = eval_precisions(run.model, entries, p.recipe, rules, p.high_first, p.high_last, p.attention)
+        precisions = eval_precisions(run.model, entries, p.recipe, rules, p.high_first, p.high_last, p.attention,
+                                     p.accumulate)  # fmt: skip
     except ConfigError as err:  # a rule's glob, a format that quantizes nothing
         line = str(err).replace("precision.eval", "--eval")
         raise EvaluateError(line.replace("precision.rules", "--rules") if given else line) from None

@@ -6,6 +6,7 @@ QuantizedAttention for precision.attention (numerics/attention.py). Its own key:
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -18,8 +19,9 @@ from halfprec.numerics.attention import (
     attention_label,
 )
 from halfprec.numerics.converters import Conversion, Converter, register_converter
+from halfprec.numerics.layers import layer_accumulate
 from halfprec.numerics.quantized import QuantizedLinear, Recipe, gemm_label, gemm_note
-from halfprec.numerics.settings import HIGH
+from halfprec.numerics.settings import HIGH, RuleSettings
 
 # A cold compile (inductor's on-disk cache empty) costs more than a CPU's eager quantizer loses over
 # a short run: precision.quantizer=auto compiles on a CPU from this many steps (docs/benchmarks.md).
@@ -37,7 +39,7 @@ class EmulatedConverter(Converter):
     def convert(self, model: nn.Module, plan: dict[str, str], how: Conversion) -> list[str]:
         compiled = quantizer_for(how.precision.quantizer, how.device_type, how.steps) == "compiled"
         p = how.precision
-        swap_emulated(model, plan, p.recipe, how.seed, how.rank, compiled, p.attention, p.accumulate)
+        swap_emulated(model, plan, p.recipe, how.seed, how.rank, compiled, p.attention, p.accumulate, p.rules)
         notes = [gemm_note(how.device_type)]
         return [*notes, COMPILED_NOTE] if compiled else notes
 
@@ -59,26 +61,29 @@ def quantizer_for(choice: str, device_type: str, steps: int | None = None) -> st
 
 def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: int, rank: int,
                   compiled: bool = False, attention: AttentionRecipe | None = None,
-                  accumulate: str = "exact") -> None:  # fmt: skip
+                  accumulate: str = "exact", rules: Sequence[RuleSettings] = ()) -> None:  # fmt: skip
     """Each planned Linear becomes a QuantizedLinear of its format, sharing its Parameters; `compiled`:
-    its quantizers through torch.compile; `accumulate`: precision.accumulate (numerics/accumulate.py).
-    Each planned attention core a QuantizedAttention (`attention`: precision.attention), which has no
-    dropout (a StochasticAttention where the recipe rounds gradients stochastically)."""
+    its quantizers through torch.compile; `accumulate`: precision.accumulate (numerics/accumulate.py),
+    or the accumulate of the rule of `rules` that gives a layer its format. Each planned attention core
+    a QuantizedAttention (`attention`: precision.attention), which has no dropout (a
+    StochasticAttention where the recipe rounds gradients stochastically)."""
     for name, fmt in plan.items():
         if fmt == HIGH:
             continue
+        summed = layer_accumulate(name, rules, accumulate)  # the preset and the key that chose it
         linear = model.get_submodule(name)
         if isinstance(linear, ScaledDotProduct):
             if linear.dropout:
                 raise ConfigError("model.dropout", linear.dropout, "quantized attention (precision.attention) has no "
                                   "dropout of its attention weights: set model.dropout=0")  # fmt: skip
             kind = StochasticAttention if recipe.stochastic_grads else QuantizedAttention
-            core = kind(fmt, attention or AttentionRecipe(fmt), recipe.for_format(fmt), layer_seed(seed, name, rank))
+            core = kind(fmt, attention or AttentionRecipe(fmt), recipe.for_format(fmt), layer_seed(seed, name, rank),
+                        *summed)  # fmt: skip
             model.set_submodule(name, core)
             continue
         assert isinstance(linear, nn.Linear)
         seeded = layer_seed(seed, name, rank)
-        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), seeded, compiled, accumulate)
+        layer = QuantizedLinear.from_linear(linear, fmt, recipe.for_format(fmt), seeded, compiled, *summed)
         model.set_submodule(name, layer)
 
 
