@@ -370,3 +370,18 @@ def test_cli_trains_the_gpt_with_attention_in_mxfp8(tmp_path):
     assert "attention: mxfp8    2  blocks.0.attn.core, blocks.1.attn.core" in done.stderr
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["precision/attention/mxfp8"] == 2 and math.isfinite(first["train/loss"])
+
+
+@pytest.mark.slow
+def test_compiled_gpt_with_quantized_attention_logs_the_eager_rows(cli):
+    """trainer.compile=true: the quantized layers and attention cores stay eager (keep_eager), inductor
+    compiles the rest, and validation (precision.eval's too) runs on the eager model: the same losses
+    as without compile, to the fused kernels' rounding of the rest."""
+    args = [*GPT, "model.n_layer=1", "precision=mxfp8", "precision.attention.format=mxfp8", "precision.eval=[mxfp4]",
+            "trainer.max_steps=3", "trainer.val_every=3", "logger=none"]  # fmt: skip
+    compiled = cli.submit(*args, "trainer.compile=true", timeout=900)
+    eager = cli.run(*args, timeout=900).check()
+    rows = {"compiled": compiled.result().check().metrics(), "eager": eager.metrics()}
+    for key in ("train/loss", "val/loss", "val/loss@mxfp4"):
+        got, want = ([r[key] for r in rows[run] if key in r] for run in ("compiled", "eager"))
+        assert len(want) == (3 if key == "train/loss" else 1) and got == pytest.approx(want, rel=1e-5), key
