@@ -305,6 +305,52 @@ def test_a_model_without_an_attention_core_or_with_dropout_is_an_error_at_build(
         build_from(*overrides)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        # the rule takes the attention cores too: the line names them
+        (["precision=mxfp8", "precision.rules=[{match:'*',format:high}]"],
+         r"rules\[0\].match=\*: sends every Linear layer and attention core left to quantize high"),
+        # only attention quantized: the rule or the high blocks that keep it high, not "no Linear layer"
+        (["precision=bf16", "precision.rules=[{match:'*.core',format:high}]"],
+         r"rules\[0\].match=\*.core: sends every Linear layer and attention core"),
+        (["precision=bf16", "precision.high_first=1", "precision.high_last=1"],
+         r"precision.high_last=1: .*all 2 blocks of this model stay high"),
+    ],
+)  # fmt: skip
+def test_a_plan_that_keeps_quantized_attention_high_names_the_setting(overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        build_from(*GPT, "precision.attention.format=mxfp8", *overrides)
+
+
+ROUNDS = "recipe: stochastic_grads rounds attention's gradient operands (dO, dS) only: "
+
+
+@pytest.mark.parametrize(
+    ("overrides", "note"),
+    [
+        # attention's backward GEMMs round dO and dS stochastically: the switch is not idle
+        (["precision=mxfp8", "precision.recipe.dgrad=high", "precision.recipe.wgrad=high"],
+         ROUNDS + "the GEMMs it acts in (dgrad, wgrad) are high"),
+        (["precision=bf16"], ROUNDS + "no Linear layer is quantized"),
+        (["precision=bf16", "precision.attention.backward=high"],
+         "recipe: stochastic_grads does nothing: no Linear layer is quantized"),
+    ],
+)  # fmt: skip
+def test_stochastic_grads_with_quantized_attention_says_where_it_rounds(overrides, note):
+    c, _ = build_from(*GPT, "precision.attention.format=mxfp8", "precision.recipe.stochastic_grads=true", *overrides)
+    assert [line for line in c.stepper.policy.notes if "stochastic_grads" in line] == [note]
+
+
+def test_the_mx_scale_rule_reaches_attention_alone():
+    """precision.recipe.scale_rule=rceil where only attention is quantized (in an MX format) rounds its
+    operands' scales: no error; attention in nvfp4 has none, and the line says so."""
+    c, _ = build_from(*GPT, "precision=bf16", "precision.attention.format=mxfp8", "precision.recipe.scale_rule=rceil")
+    assert c.model.get_submodule("blocks.0.attn.core").recipe.scale_rule == "rceil"
+    with pytest.raises(ConfigError, match=r"scale_rule=rceil: is for formats with E8M0 .*\(attention nvfp4\)"):
+        build_from(*GPT, "precision=bf16", "precision.attention.format=nvfp4", "precision.recipe.scale_rule=rceil")
+
+
 def test_the_converted_gpt_computes_attention_in_its_format():
     c, _ = build_from(*GPT, "precision=bf16", "precision.attention.format=nvfp4", "precision.attention.backward=high")
     core = c.model.get_submodule("blocks.0.attn.core")
@@ -324,3 +370,18 @@ def test_cli_trains_the_gpt_with_attention_in_mxfp8(tmp_path):
     assert "attention: mxfp8    2  blocks.0.attn.core, blocks.1.attn.core" in done.stderr
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["precision/attention/mxfp8"] == 2 and math.isfinite(first["train/loss"])
+
+
+@pytest.mark.slow
+def test_compiled_gpt_with_quantized_attention_logs_the_eager_rows(cli):
+    """trainer.compile=true: the quantized layers and attention cores stay eager (keep_eager), inductor
+    compiles the rest, and validation (precision.eval's too) runs on the eager model: the same losses
+    as without compile, to the fused kernels' rounding of the rest."""
+    args = [*GPT, "model.n_layer=1", "precision=mxfp8", "precision.attention.format=mxfp8", "precision.eval=[mxfp4]",
+            "trainer.max_steps=3", "trainer.val_every=3", "logger=none"]  # fmt: skip
+    compiled = cli.submit(*args, "trainer.compile=true", timeout=900)
+    eager = cli.run(*args, timeout=900).check()
+    rows = {"compiled": compiled.result().check().metrics(), "eager": eager.metrics()}
+    for key in ("train/loss", "val/loss", "val/loss@mxfp4"):
+        got, want = ([r[key] for r in rows[run] if key in r] for run in ("compiled", "eager"))
+        assert len(want) == (3 if key == "train/loss" else 1) and got == pytest.approx(want, rel=1e-5), key

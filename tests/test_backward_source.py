@@ -4,6 +4,8 @@ against the product written out by hand; what the memory estimate counts for tho
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from torch import nn
 from halfprec.config import validate
 from halfprec.errors import ConfigError
 from halfprec.numerics import quantized
+from halfprec.numerics.attention import AttentionRecipe, QuantizedAttention
 from halfprec.numerics.formats import fake_quantize as fq
 from halfprec.numerics.formats import quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
@@ -202,3 +205,98 @@ def test_nvfp4_with_the_forwards_copies_trains_close_to_high(cli):
     assert len(losses["forward"]) == 2 and losses["forward"][0] == losses["high"][0]
     assert losses["forward"][1] != losses["high"][1]
     assert abs(losses["forward"][1] - losses["high"][1]) < 0.01 * losses["high"][1]
+
+
+# attention's GEMMs (precision.attention): Q, K and V as the forward's copies; P from its fp32 values
+
+
+def attention_grads(fmt: str, source: str, **attention):
+    """A QuantizedAttention (batch 2, 2 heads, 40 tokens, d 32, q with an outlier channel) forward and
+    backward: q, k, v, the output gradient, the output and the gradients of q, k, v."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 40, 32, generator=gen) for _ in range(3))
+    q[..., 3] *= 30
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    recipe = AttentionRecipe(format=fmt, **attention)
+    out = QuantizedAttention(fmt, recipe, Recipe(backward_source=source), seed=5)(q, k, v)
+    dout = torch.randn(out.shape, generator=gen)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return q.detach(), k.detach(), v.detach(), dout, out.detach(), (dq, dk, dv)
+
+
+def causal_probs(q: torch.Tensor, k: torch.Tensor, fmt: str) -> torch.Tensor:
+    """P = softmax(s QK^T) under the causal mask, QK^T of Q and K quantized along d as the forward's."""
+    s = fq(q, fmt, -1) @ fq(k, fmt, -1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_attentions_backward_quantizes_q_k_v_from_the_tensors_or_from_the_forwards_copies(fmt, source):
+    """forward: Q and K (for dK and dQ, along the tokens) and V (for dP, along d) are fake_quantize
+    applied twice, first along the axis the forward's GEMM took them (Q, K along d; V along the keys);
+    P is quantized from its fp32 values with either, dO and dS as with high; the forward untouched."""
+    q, k, v, dout, out, (dq, dk, dv) = attention_grads(fmt, source)
+    p = causal_probs(q, k, fmt)
+    if source == "forward":
+        q, k, v = fq(q, fmt, -1), fq(k, fmt, -1), fq(v, fmt, -2)
+    dp = fq(dout, fmt, -1) @ fq(v, fmt, -1).transpose(-2, -1)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) / math.sqrt(q.shape[-1])
+    close = {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(dv, fq(p, fmt, -2).transpose(-2, -1) @ fq(dout, fmt, -2), **close)
+    torch.testing.assert_close(dq, fq(ds, fmt, -1) @ fq(k, fmt, -2), **close)
+    torch.testing.assert_close(dk, fq(ds, fmt, -2).transpose(-2, -1) @ fq(q, fmt, -2), **close)
+    other = attention_grads(fmt, "forward" if source == "high" else "high")
+    assert torch.equal(other[4], out)  # the same forward
+    # double quantization shows: Q's small channels lost bits to the outlier's scale along d
+    assert not torch.allclose(other[5][1], dk, **close)
+
+
+def test_attentions_copies_of_q_and_k_are_rotated_back_where_the_hadamard_turned_them():
+    """With the Hadamard, the forward quantized QH and KH along d: the backward, which takes Q and K
+    unrotated, re-quantizes q(QH) H^T and q(KH) H^T along the tokens."""
+    q, k, v, dout, out, (dq, dk, dv) = attention_grads("mxfp4", "forward", hadamard=True)
+    h = random_hadamard(32, torch.Generator().manual_seed(5))
+    qc, kc = (rotate(fq(rotate(t, h, -1), "mxfp4", -1), h.T, -1) for t in (q, k))
+    p = causal_probs(rotate(q, h, -1), rotate(k, h, -1), "mxfp4")
+    dp = fq(dout, "mxfp4", -1) @ fq(fq(v, "mxfp4", -2), "mxfp4", -1).transpose(-2, -1)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) / math.sqrt(q.shape[-1])
+    torch.testing.assert_close(dk, fq(ds, "mxfp4", -2).transpose(-2, -1) @ fq(qc, "mxfp4", -2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dq, fq(ds, "mxfp4", -1) @ fq(kc, "mxfp4", -2), rtol=1e-4, atol=1e-5)
+
+
+def test_attentions_fp8_per_tensor_copies_re_quantize_exactly():
+    """A per-tensor copy is on the grid the backward's quantizer rounds to: forward and high agree."""
+    high, forward = attention_grads("fp8_e4m3", "high"), attention_grads("fp8_e4m3", "forward")
+    assert all(torch.equal(a, b) for a, b in zip(high[5], forward[5]))
+
+
+ATTENTION_GPT = ["task=lm", "model.n_layer=1", "model.n_embd=64", "model.n_head=2", "model.block_size=32",
+                 "precision=bf16"]  # fmt: skip
+B, H, T, D = 2, 2, 32, 32  # batch, heads, tokens, head size of a batch of 2 through ATTENTION_GPT
+
+
+@pytest.mark.parametrize(
+    "fmt, copy",
+    [
+        # Q, K blocked along d and V along the keys: 4 x 32 x 32 one-byte elements, an E8M0 scale per 32
+        ("mxfp8", B * H * T * D + B * H * T),
+        # half-byte elements, an E4M3 scale per 16 values and an fp32 tensor scale
+        ("nvfp4", B * H * T * D // 2 + B * H * T * D // 16 + 4),
+    ],
+)
+def test_the_estimate_counts_quantized_attentions_probabilities_and_copies(fmt, copy):
+    """Against torch's fused attention, which keeps Q, K, V (views of the qkv layer's bf16 output),
+    its bf16 output and a logsumexp per query (fp32): the explicit attention keeps P (fp32, T x T per
+    head) instead of the logsumexp; backward_source=forward, the three copies in the format's bits
+    instead of the qkv output (B x T x 3 x 64 bf16), which nothing else keeps."""
+    tokens = torch.randint(0, 10, (B, T), generator=torch.Generator().manual_seed(0))
+    sizes, quantized = {}, f"precision.attention.format={fmt}"
+    for name, extra in [("fused", []), ("high", [quantized]),
+                        ("forward", [quantized, "precision.recipe.backward_source=forward"])]:  # fmt: skip
+        c, _ = build_from(*ATTENTION_GPT, *extra)
+        sizes[name] = activation_bytes(c.model, c.stepper.policy, (tokens, tokens), c.stepper.task)
+    probs, logsumexp = B * H * T * T * 4, B * H * T * 4
+    assert sizes["high"] - sizes["fused"] == probs - logsumexp
+    assert sizes["forward"] - sizes["high"] == 3 * copy - B * T * 3 * 64 * 2

@@ -19,7 +19,9 @@ forward's two summed as one preset of numerics/accumulate.py says, the backward'
 (`accumulate`: AttentionRecipe's forward_accumulate and backward_accumulate, else the core's rule's
 or precision.accumulate; exact by default).
 rowsum(dO O) is FlashAttention's and cuDNN's form of rowsum(P dP), from the output as returned.
-P is kept for the backward (FlashAttention recomputes it: the same values, less memory).
+P is kept for the backward (FlashAttention recomputes it: the same values, less memory). With the
+recipe's backward_source=forward, the backward's Q, K and V are the forward's quantized copies, its P
+the fp32 one still (a kernel recomputes P in fp32 from the forward's Q and K).
 
 On diagnostics steps (`stats` a dict) each operand's quantization statistics are kept as a
 QuantizedLinear keeps its own, under the names of ATTENTION_OPERANDS: query, key, value, probs (P),
@@ -41,7 +43,17 @@ from torch import nn
 from halfprec.numerics.accumulate import EXACT
 from halfprec.numerics.formats import FORMATS, quantize
 from halfprec.numerics.formats.hadamard import random_hadamard, rotate
-from halfprec.numerics.quantized import BackwardDraws, Operand, Recipe, checked_presets, format_kind, gemm, quant_sums
+from halfprec.numerics.quantized import (
+    KEPT,
+    BackwardDraws,
+    Operand,
+    Recipe,
+    checked_presets,
+    format_kind,
+    gemm,
+    held_bytes,
+    quant_sums,
+)
 from halfprec.numerics.settings import HIGH
 from halfprec.spec import Spec
 
@@ -164,6 +176,35 @@ class QuantizedAttention(BackwardDraws, ScaledDotProduct):
         per = fmt.block if q.scales is not None and isinstance(fmt.block, int) else 0
         return Operand(q.values, q.factor, fmt.exact_in_bf16, block, fmt.element.name, q.scales, per)
 
+    def saved_operands(self, qkv: tuple[torch.Tensor, ...], quantized: tuple[torch.Tensor, ...],
+                       operands: tuple[Operand, ...], high: torch.dtype) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """What the backward GEMMs quantize Q, K and V from (the recipe's backward_source): `qkv` as they
+        came, or the forward's copies of `quantized` (Q and K rotated where the Hadamard rotates them,
+        V), which the forward quantized to `operands`. Not P: a kernel that keeps only the forward's
+        copies recomputes P in fp32 from them, the values the forward computed (and kept here)."""
+        if self.recipe.backward_source == "high":
+            return qkv
+        return tuple(self.forward_copy(t, op, axis, high) for t, op, axis in zip(quantized, operands, (-1, -1, -2)))
+
+    def forward_copy(self, t: torch.Tensor, q: Operand, axis: int, high: torch.dtype) -> torch.Tensor:
+        """What a kernel that keeps only the forward's copy of `t` (quantized to `q` along `axis`) hands
+        the backward: its values dequantized in fp32 (NVFP4's as QuantizedLinear.forward_copy's),
+        rotated back where the Hadamard rotated it, or `t` rounded to `high` where the forward is
+        high; tagged (KEPT) with the bytes that kernel holds of it, for the memory estimate."""
+        name = self.gemms["forward"]
+        if name == HIGH:
+            copy, held = q.values.detach(), t.numel() * high.itemsize
+        else:
+            if FORMATS[name].scale == "nvfp4":  # split values times the tensor scale round otherwise
+                copy = quantize(t, name, axis, split=False).values
+            else:
+                copy = q.values if q.factor is None else q.values * q.factor
+            if self.hadamard_matrix is not None and axis == -1:  # Q and K: their rotation undone
+                copy = rotate(copy, self.hadamard_matrix.T, -1)
+            held = held_bytes(name, t.shape if axis == -1 else t.transpose(-2, -1).shape, False)
+        setattr(copy, KEPT, held)
+        return copy
+
     @torch.no_grad()
     def record(self, operand: str, t: torch.Tensor, q: torch.Tensor, saturated: torch.Tensor) -> None:
         """Sums over the step's micro-batches, on the device (quant_sums, compared in fp32)."""
@@ -211,21 +252,27 @@ class QuantizedAttentionFunction(torch.autograd.Function):
         q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # batch x heads as one batch dimension
         with torch.autocast(device, enabled=False):
             qr, kr = core.rotated(q3, k3)
-            f = "forward"
+            f, high = "forward", out_dtype
             acc = core.accumulate[f]
-            s = gemm(core.operand(qr, f, -1, out_dtype, record="query"),
-                     core.operand(kr, f, -1, out_dtype, record="key").t(), acc)  # fmt: skip
+            qq, kq = core.operand(qr, f, -1, high, record="query"), core.operand(kr, f, -1, high, record="key")
+            s = gemm(qq, kq.t(), acc)
             p = causal_softmax(s, scale)
-            o = gemm(core.operand(p, f, -1, out_dtype, record="probs"),
-                     core.operand(v3, f, -2, out_dtype, record="value"), acc)  # fmt: skip
-        o = o.to(out_dtype)
-        ctx.save_for_backward(q3, k3, v3, p, o)
+            pq, vq = core.operand(p, f, -1, high, record="probs"), core.operand(v3, f, -2, high, record="value")
+            o = gemm(pq, vq, acc)
+        # laid out as a fused kernel writes it, tokens before heads: merging the heads (the GPT's transpose
+        # and reshape) is then a view of it, and the next layer keeps no copy
+        o = o.unflatten(0, shape[:-2]).transpose(-3, -2).to(out_dtype, memory_format=torch.contiguous_format)
+        o = o.transpose(-3, -2)
+        # Q, K, V as they came (views of one storage, as a fused kernel keeps them), or the forward's copies
+        ctx.save_for_backward(*core.saved_operands((q, k, v), (qr, kr, v3), (qq, kq, vq), out_dtype), p, o)
         ctx.core, ctx.shapes, ctx.scale, ctx.high = core, (q.shape, k.shape, v.shape), scale, out_dtype
-        return o.reshape(*shape[:-1], v.shape[-1])
+        ctx.dtypes = q.dtype, k.dtype, v.dtype
+        return o
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, p, o = ctx.saved_tensors
+        *saved, p, o = ctx.saved_tensors
+        q, k, v, o = (t.reshape(-1, *t.shape[-2:]) for t in (*saved, o))
         core: QuantizedAttention = ctx.core
         high, b = ctx.high, "backward"
         acc = core.accumulate[b]
@@ -243,5 +290,5 @@ class QuantizedAttentionFunction(torch.autograd.Function):
                   core.operand(k, b, -2, high, record=first["key"]), acc)  # fmt: skip
         dk = gemm(core.operand(ds, b, -2, high, True, generator=gen).t(),
                   core.operand(q, b, -2, high, record=first["query"]), acc)  # fmt: skip
-        dq, dk, dv = (g.to(t.dtype).reshape(shape) for g, t, shape in zip((dq, dk, dv), (q, k, v), ctx.shapes))
+        dq, dk, dv = (g.to(dtype).reshape(shape) for g, dtype, shape in zip((dq, dk, dv), ctx.dtypes, ctx.shapes))
         return dq, dk, dv, None

@@ -73,7 +73,7 @@ def plan_precision(model: nn.Module, p: PrecisionSettings, fits: Fits, unfit: st
     plan = plan_layers(model, p.format, p.rules, p.high_first, p.high_last, fits, attention)
     warnings = shadowed_rules(model, p.rules, attention)
     if all(f == HIGH for f in plan.values()) and not p.schedule:
-        raise nothing_to_quantize(model, p.format, p.rules, p.high_first, p.high_last, fits, unfit, p.name)
+        raise nothing_to_quantize(model, p.format, p.rules, p.high_first, p.high_last, fits, unfit, p.name, attention)
     return plan, warnings
 
 
@@ -162,14 +162,17 @@ def decides(rule: RuleSettings) -> tuple[str, str | None]:
 
 
 def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[RuleSettings], high_first: int,
-                        high_last: int, fits: Fits | None, unfit: str, name: str) -> ConfigError:  # fmt: skip
-    """Why a plan keeps every Linear layer high, as one line naming the setting that does it: the high
-    blocks, a rule sending the rest high, layers the converter cannot take (`fits`, which asks
-    `unfit`: float8's multiples of 16), or a model whose only Linear layer is its output head. Each
-    cause is found by planning again without it."""
+                        high_last: int, fits: Fits | None, unfit: str, name: str,
+                        attention: str | None = None) -> ConfigError:  # fmt: skip
+    """Why a plan keeps every Linear layer (and, with `attention`, every attention core) high, as one
+    line naming the setting that does it: the high blocks, a rule sending the rest high, layers the
+    converter cannot take (`fits`, which asks `unfit`: float8's multiples of 16), or a model whose
+    only Linear layer is its output head. Each cause is found by planning again without it."""
 
     def quantizes(rules: Sequence[RuleSettings], first: int, last: int, fits: Fits | None) -> bool:
-        return any(f != HIGH for f in plan_layers(model, fmt, rules, first, last, fits).values())
+        return any(f != HIGH for f in plan_layers(model, fmt, rules, first, last, fits, attention).values())
+
+    layers = "Linear layer and attention core" if attention else "Linear layer"
 
     blocks = len(block_names(model))
     if (high_first or high_last) and quantizes(rules, 0, 0, fits):
@@ -181,7 +184,7 @@ def nothing_to_quantize(model: nn.Module, fmt: str | None, rules: Sequence[RuleS
     for i, rule in enumerate(rules):
         if rule.format == HIGH and quantizes([*rules[:i], *rules[i + 1 :]], high_first, high_last, fits):
             return ConfigError(
-                f"precision.rules[{i}].match", rule.match, "sends every Linear layer left to quantize high (the "
+                f"precision.rules[{i}].match", rule.match, f"sends every {layers} left to quantize high (the "
                 "output head is high already): narrow the glob, or use precision=bf16 for no quantized layer",
             )  # fmt: skip
     if fits is not None and quantizes(rules, high_first, high_last, None):
@@ -211,32 +214,51 @@ PARTIAL_SWITCHES: dict[str, tuple[Callable[[str, str], bool], str, object]] = {
     "weight_2d": (has_tiles, "square blocks (nvfp4 16x16, fp8_block 128x128)", False),
     "scale_rule": (has_e8m0, "E8M0 scales (the MX formats)", "floor"),
 }
+ATTENTION_SWITCHES = ("scale_rule",)  # those attention's GEMMs take too (they have no weight for weight_2d)
 
 
-def recipe_reach(formats: Sequence[str], recipe: Recipe) -> list[str]:
-    """Which of `formats` (a plan's, high aside) each partial switch of the recipe reaches: a line for
-    each switch that some of them cannot use (their layers go without it, as QuantizedLinear's
-    recipe says), a ConfigError for a switch that none can use (a setting that changes nothing)."""
+def recipe_reach(formats: Sequence[str], recipe: Recipe, attention: Sequence[dict[str, str]] = ()) -> list[str]:
+    """Which of `formats` (a plan's Linear layers', high aside) each partial switch of the recipe
+    reaches: a line for each switch that some of them cannot use (their layers go without it, as
+    QuantizedLinear's recipe says), a ConfigError for a switch that none can use (a setting that
+    changes nothing). `attention`: the quantized attention cores' GEMMs (AttentionRecipe.gemms),
+    which take the recipe's scale_rule and stochastic_grads too (no weights: no weight_2d; their
+    Hadamard is precision.attention.hadamard)."""
     lines = []
+    cores = list(dict.fromkeys(f for gemms in attention for f in gemms.values() if f != HIGH))
     for switch, (uses, needs, off) in PARTIAL_SWITCHES.items():
         value = getattr(recipe, switch)
         if value == off:
             continue
         reached = [f for f in formats if any(uses(g, recipe.grad_format or g) for g in gemm_formats(f, recipe))]
         missed = [f for f in formats if f not in reached]
-        if not reached:
+        core_formats = cores if switch in ATTENTION_SWITCHES else []
+        in_cores = any(uses(f, recipe.grad_format or f) for f in core_formats)
+        if not reached and not in_cores:
+            shown = [*formats, *(f"attention {f}" for f in core_formats)]
+            computed = ", ".join(shown) or "no Linear layer is quantized"
             raise ConfigError(
                 f"precision.recipe.{switch}", value, f"is for formats with {needs} and no layer computes in one "
-                f"({', '.join(formats)}): set precision.recipe.{switch}={str(off).lower()}",
+                f"({computed}): set precision.recipe.{switch}={str(off).lower()}",
             )  # fmt: skip
         if missed:
-            lines.append(f"recipe: {switch} applies to the {', '.join(reached)} layers, not to {', '.join(missed)}: "
-                         f"no {needs}")  # fmt: skip
+            lines.append(f"recipe: {switch} applies to the {', '.join([*reached, *['attention'] * in_cores])} "
+                         f"layers, not to {', '.join(missed)}: no {needs}")  # fmt: skip
     # the GEMMs each switch acts in (weight_2d: those with the weight as an operand)
     unused = {"hadamard": ("wgrad",), "stochastic_grads": ("dgrad", "wgrad"), "weight_2d": ("forward", "dgrad")}
+    rounds_attention = any(gemms["backward"] != HIGH for gemms in attention)  # its dO and dS
     for switch, gemms in unused.items():
-        if getattr(recipe, switch) and all(getattr(recipe, g) == HIGH for g in gemms):
-            lines.append(f"recipe: {switch} does nothing: the GEMMs it acts in ({', '.join(gemms)}) are high")
+        if not getattr(recipe, switch):
+            continue
+        acts = f"the GEMMs it acts in ({', '.join(gemms)}) are high"
+        if not formats and attention:
+            acts = "no Linear layer is quantized"
+        elif not all(getattr(recipe, g) == HIGH for g in gemms):
+            continue
+        if switch == "stochastic_grads" and rounds_attention:
+            lines.append(f"recipe: stochastic_grads rounds attention's gradient operands (dO, dS) only: {acts}")
+        else:
+            lines.append(f"recipe: {switch} does nothing: {acts}")
     return lines
 
 

@@ -124,8 +124,9 @@ class PrecisionPolicy:
         cores = set(attention_cores(model))
         if p.schedule:
             converted, self.schedule = build_schedule(plan, p.schedule, p.recipe, self.steps or 0, p.attention, cores)
-        reach = recipe_reach(list(dict.fromkeys(f for n, f in converted.items() if f != HIGH and n not in cores)),
-                             p.recipe)  # fmt: skip
+        linears = list(dict.fromkeys(f for n, f in converted.items() if f != HIGH and n not in cores))
+        attention = [p.attention.gemms(f) for n, f in converted.items() if f != HIGH and n in cores]
+        reach = recipe_reach(linears, p.recipe, attention)
         how = Conversion(p, seed, rank, self.device_type, self.steps)
         self.notes = [*warnings, *reach, *converter.convert(model, converted, how)]
         for name, f in plan.items():

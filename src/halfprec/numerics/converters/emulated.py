@@ -75,7 +75,8 @@ def swap_emulated(model: nn.Module, plan: dict[str, str], recipe: Recipe, seed: 
         if isinstance(linear, ScaledDotProduct):
             if linear.dropout:
                 raise ConfigError("model.dropout", linear.dropout, "quantized attention (precision.attention) has no "
-                                  "dropout of its attention weights: set model.dropout=0")  # fmt: skip
+                                  "dropout of its attention weights: set model.dropout=0, or "
+                                  "precision.attention.format=null")  # fmt: skip
             kind = StochasticAttention if recipe.stochastic_grads else QuantizedAttention
             core = kind(fmt, attention or AttentionRecipe(fmt), recipe.for_format(fmt), layer_seed(seed, name, rank),
                         *summed)  # fmt: skip
