@@ -708,10 +708,17 @@ def test_evaluation_precisions_get_a_column_each_and_a_gap_plot(tmp_path, capsys
     jobs.append(FakeJob({"trainer.max_steps": "400", "seed": "0"}, decay(0.5, steps=4)))  # no precision.eval
     sweep_dir = write_sweep(tmp_path / "sweep", jobs)
     assert write_report(sweep_dir, tmp_path / "out") == 0
-    (group_header, groups), (job_header, per_job) = parse_tables(capsys.readouterr().out)
+    (group_header, groups), (job_header, per_job), (gap_header, gaps) = parse_tables(capsys.readouterr().out)
     assert job_header[job_header.index("val/acc") + 1] == "val/loss@mxfp4"
     assert [row["val/loss@mxfp4"] for row in per_job] == ["1.0400", "1.0440", "1.0800", "1.0840", "-"]
     assert groups[1]["val/loss@mxfp4"] == f"1.0820 ± {statistics.stdev([1.08, 1.084]):.4f} (n=2)"
+    # the gap at the last validation, per configuration; the job without precision.eval has none
+    assert gap_header == ["trainer.max_steps", "jobs", "val/loss@mxfp4 - val/loss"]
+    assert [row["val/loss@mxfp4 - val/loss"] for row in gaps] == [
+        f"0.0420 ± {statistics.stdev([0.04, 0.044]):.4f} (n=2)",
+        f"0.0820 ± {statistics.stdev([0.08, 0.084]):.4f} (n=2)",
+        "-",
+    ]
     assert_png(tmp_path / "out" / "eval_gap_mxfp4.png")
     from halfprec.tools.report.eval_plot import gap_job
 

@@ -16,7 +16,8 @@ would have on each layer (rows) at each diagnostics step (columns), a panel per 
 as heatmaps). A sweep over precision.format gets
 bits.png (final val/loss against bits per value); a run `halfprec sensitivity` measured gets
 sensitivity_<job>.png; runs with precision.eval get a val/loss@<entry> column per evaluation
-precision and eval_gap_<entry>.png (that val/loss above the run's own, against step).
+precision, a table of each one's val/loss above the run's own at the last validation, and
+eval_gap_<entry>.png (that difference against step).
 
 Jobs whose overrides differ in the seed alone (or not at all) form a group: one configuration run
 several times. The group table and the plots show each group as mean ± std over its completed jobs;
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from halfprec.metrics import TRAIN_LOSS, VAL_LOSS
 from halfprec.tools.report.bits_plot import bits_figure
-from halfprec.tools.report.eval_plot import write_eval_plots
+from halfprec.tools.report.eval_plot import gap_table, write_eval_plots
 from halfprec.tools.report.plots import has_scaler, plot_lines, write_logit_plots
 from halfprec.tools.report.quant import write_quant_plots
 from halfprec.tools.report.runs import ReportError, find_jobs
@@ -74,6 +75,9 @@ def write_report(path: Path, out: Path | None = None, to_wandb: bool = False) ->
     groups = build_group_table(jobs)
     if groups is not None:
         tables["groups"] = groups
+    gaps = gap_table(jobs)  # precision.eval's val/loss@<entry> above the run's own
+    if gaps is not None:
+        tables["eval_gaps"] = gaps
     where = "/".join(root.parts[-2:])  # e.g. 2026-12-03/08-09-58.123456: the sweep's date and time
 
     images = []

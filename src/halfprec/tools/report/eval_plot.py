@@ -1,6 +1,6 @@
-"""eval_gap_<entry>.png: how far a run's val/loss in an evaluation precision (precision.eval's
-val/loss@<entry>) lies above its own val/loss, against step: the cost of post-training quantization
-as training goes on, a line per configuration (mean ± std over seeds)."""
+"""How far a run's val/loss in an evaluation precision (precision.eval's val/loss@<entry>) lies above
+its own val/loss, the cost of post-training quantization: at the last validation, a table per
+configuration (mean ± std over seeds), and against step, eval_gap_<entry>.png."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 
 from halfprec.metrics import VAL_LOSS
 from halfprec.tools.report.columns import EVAL_LOSS, eval_losses
+from halfprec.tools.report.groups import group_jobs, is_seed, shown_overrides, spread
 from halfprec.tools.report.plots import plot_lines
 from halfprec.tools.report.runs import Job
+from halfprec.tools.report.tables import Table
 
 
 def gap_job(job: Job, key: str, gap: str) -> Job:
@@ -34,3 +36,25 @@ def write_eval_plots(jobs: list[Job], out: Path, where: str) -> list[Path]:
         if plot_lines([gap_job(job, key, gap) for job in jobs], gap, title, path, whole=True):
             images.append(path)
     return images
+
+
+def last_gap(job: Job, key: str) -> float | None:
+    """`key` minus val/loss at the job's last validation that logged both; None where none did."""
+    rows = gap_job(job, key, "gap").rows
+    return rows[-1]["gap"] if rows else None
+
+
+def gap_table(jobs: list[Job]) -> Table | None:
+    """Per configuration, each evaluation precision's val/loss minus the run's own at the last
+    validation, a Spread over the completed jobs (a job alone: its value); None without precision.eval."""
+    keys = list(dict.fromkeys(k for job in jobs for k in eval_losses(job.rows)))
+    if not keys:
+        return None
+    shown = [key for key in shown_overrides(jobs) if not is_seed(key)]
+    header = [*shown, "jobs", *(f"{key} - {VAL_LOSS.name}" for key in keys)]
+    rows = []
+    for group in group_jobs(jobs):
+        counted = group.counted if len(group.jobs) > 1 else group.jobs
+        gaps = [spread([last_gap(job, key) for job in counted]) for key in keys]
+        rows.append([*(group.overrides.get(k) for k in shown), ", ".join(job.id for job in group.jobs), *gaps])
+    return header, rows

@@ -74,17 +74,25 @@ def to_markdown(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def markdown_tables(tables: dict[str, Table]) -> list[str]:
-    """The group table (when there is one) under a line saying what its cells are, then the per-job table."""
-    if "groups" not in tables:
-        return [to_markdown(*tables["table"])]
-    return [
-        f"Per configuration (jobs whose overrides differ in the seed alone): mean ± std (sample std) over "
-        f"its {COUNTED} jobs, n of them that logged the value. Jobs that ended otherwise or are still "
-        "running are left out of the statistics and counted in the status column.",
-        to_markdown(*tables["groups"]),
-        "Per job:",
-        to_markdown(*tables["table"]),
-    ]
+    """The group table (when there is one) under a line saying what its cells are, then the per-job
+    table, then the evaluation precisions' gaps (when a job logged them)."""
+    parts = [to_markdown(*tables["table"])]
+    if "groups" in tables:
+        parts = [
+            f"Per configuration (jobs whose overrides differ in the seed alone): mean ± std (sample std) over "
+            f"its {COUNTED} jobs, n of them that logged the value. Jobs that ended otherwise or are still "
+            "running are left out of the statistics and counted in the status column.",
+            to_markdown(*tables["groups"]),
+            "Per job:",
+            *parts,
+        ]
+    if "eval_gaps" in tables:
+        parts += [
+            "Post-training quantization (precision.eval): each evaluation precision's val/loss minus the "
+            f"run's own at the last validation, per configuration (mean ± std over its {COUNTED} jobs).",
+            to_markdown(*tables["eval_gaps"]),
+        ]
+    return parts
 
 
 def report_text(path: Path, jobs: list[Job], tables: list[str], images: list[Path], notes: tuple[str, ...] = ()) -> str:
