@@ -59,9 +59,9 @@ def format_cell(column: str, value: Any) -> str:
         return f"{format(value.mean, fmt)}{std} (n={value.n})"
     if isinstance(value, float) and math.isnan(value):
         return "nan"
-    fmt = column_format(column)
-    if fmt is not None and isinstance(value, int | float):
-        return format(value, fmt)
+    number = column_format(column)
+    if number is not None and isinstance(value, int | float):
+        return format(value, number)
     return str(value).replace("|", "\\|")  # a literal | would split the markdown cell
 
 
