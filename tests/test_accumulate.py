@@ -182,26 +182,78 @@ def test_train_with_hopper_accumulation_logs_another_loss(cli):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_largest_exponent_by_gemm_equals_the_elementwise_maximum(seed):
-    """The products' largest exponent per instruction, from one GEMM of powers, against the maximum
-    taken product by product; zeros among the operands."""
+@pytest.mark.parametrize(
+    ("low", "high"), [(-6, 8), (-14, 15), (-100, -40), (-133, 127)], ids=["e4m3", "e5m2", "tiny-bf16", "bf16"]
+)
+def test_largest_exponent_by_gemm_equals_the_elementwise_maximum(seed, low, high):
+    """The products' largest exponent per instruction, from one GEMM of powers (fp32 for E4M3's
+    exponents, fp64 for E5M2's) or a max-reduction (bf16's, too wide for a GEMM), against the maximum
+    taken product by product, a zero product counting as e_zero, above tiny products; zeros among the
+    operands."""
     g = torch.Generator().manual_seed(seed)
-    ea = torch.randint(-20, 20, (M, K), generator=g, dtype=torch.int32)
-    eb = torch.randint(-20, 20, (K, N), generator=g, dtype=torch.int32)
+    ea = torch.randint(low, high + 1, (M, K), generator=g, dtype=torch.int32)
+    eb = torch.randint(low, high + 1, (K, N), generator=g, dtype=torch.int32)
     ea[torch.rand(M, K, generator=g) < 0.3] = acc.ZERO_EXPONENT
     eb[:, 0] = acc.ZERO_EXPONENT  # a column of zeros: every product of it zero
-    got = acc.largest_exponents(ea, eb, acc.WGMMA_FP8)
-    products = ea.reshape(M, -1, 32).transpose(0, 1).unsqueeze(2) + eb.reshape(-1, 32, N).transpose(1, 2).unsqueeze(1)
-    zero = (products < acc.ZERO_EXPONENT // 2).any(-1)
-    expected = torch.where(zero, products.amax(-1).clamp(min=acc.WGMMA_FP8.e_zero), products.amax(-1))
+    got = acc.largest_exponents(ea, eb, acc.WGMMA_FP8, (low, low))
+    xa, xb = ea.reshape(M, -1, 32).transpose(0, 1).unsqueeze(2), eb.reshape(-1, 32, N).transpose(1, 2).unsqueeze(1)
+    zero = (xa == acc.ZERO_EXPONENT) | (xb == acc.ZERO_EXPONENT)
+    expected = (xa + xb).masked_fill(zero, acc.WGMMA_FP8.e_zero).amax(-1)
     assert torch.equal(got, expected)
 
 
 def test_bf16_beyond_a_gemms_exponent_range_equals_mmasim():
-    """bf16 values from 2^-120 to 2^90: too wide for the GEMM of powers, the largest exponent is
-    taken elementwise."""
+    """bf16 values from 2^-120 to 2^90: products from 2^-240 to 2^180."""
     g = torch.Generator().manual_seed(4)
     a, b = bf16((M, 64), g), bf16((64, N), g)
     a[0, 0], a[1, 1], b[2, 0], b[3, 1] = 2.0**90, 2.0**-120, 2.0**-120, 2.0**90
     expected = nv.WGMMA("Hopper", "m64n8k16.f32.bf16.bf16").arithmetic_op(a.bfloat16(), b.bfloat16(), torch.zeros(M, N))
     assert torch.equal(acc.matmul(a, b, acc.WGMMA_BF16), expected)
+
+
+# --- the compiled steps (numerics/fdpa.py through torch.compile) compute the eager steps' bits
+
+
+def operands(case, g):
+    """A case's matmul arguments beyond the instruction: FP8 with zeros and cancellations, bf16 over
+    a wide range, MXFP8's elements with E8M0 scales, fp8_block's factors per 128 of K."""
+    if case == "bf16":
+        a, b = cancelling(bf16((8, 256), g), bf16((256, 16), g))
+        return a, b, {}
+    a, b = cancelling(fp8((8, 512), "e4m3", g), fp8((512, 16), "e4m3", g))
+    if case == "mx":
+        sa = torch.exp2(torch.randint(-20, 20, (8, 16), generator=g).float())
+        sb = torch.exp2(torch.randint(-20, 20, (16, 16), generator=g).float())
+        return a, b, {"subnormals": (-6, -6), "scales": (sa, sb), "block": 32}
+    if case == "block":
+        fa, fb = torch.rand(8, 4, generator=g) + 0.5, torch.rand(4, 16, generator=g) + 0.5
+        return a, b, {"subnormals": (-6, -6), "promote": 128, "factors": (fa, fb)}
+    return a, b, {"subnormals": (-6, -6), "promote": 128 if case == "promoted" else None}
+
+
+COMPILED = [("hopper", acc.WGMMA_FP8), ("promoted", acc.WGMMA_FP8), ("ada", acc.MMA_FP8_SM89),
+            ("block", acc.WGMMA_FP8), ("bf16", acc.WGMMA_BF16), ("mx", acc.TCGEN05_MXF8F6F4)]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "ins"), COMPILED, ids=[c[0] for c in COMPILED])
+def test_compiled_steps_equal_eager_ones(case, ins, monkeypatch):
+    """Random cases, bit for bit: FP8 (Hopper's, Ada's) with and without promotion, with fp8_block's
+    factors, bf16, MXFP8 with its block scales; bands of 3 rows (a ragged last one)."""
+    g = torch.Generator().manual_seed(5)
+    a, b, kwargs = operands(case, g)
+    eager = acc.matmul(a, b, ins, compiled=False, **kwargs)
+    intervals = a.shape[1] // (kwargs.get("promote") or a.shape[1])
+    monkeypatch.setattr(acc, "SUMS_VALUES", 3 * b.shape[1] * intervals)
+    assert torch.equal(acc.matmul(a, b, ins, compiled=True, **kwargs), eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("case", "ins"), COMPILED, ids=[c[0] for c in COMPILED])
+def test_compiled_steps_on_a_gpu_equal_eager_ones_on_the_cpu(case, ins):
+    g = torch.Generator().manual_seed(6)
+    a, b, kwargs = operands(case, g)
+    on_gpu = {k: tuple(t.cuda() for t in v) if k in ("scales", "factors") else v for k, v in kwargs.items()}
+    got = acc.matmul(a.cuda(), b.cuda(), ins, compiled=True, **on_gpu)
+    assert torch.equal(got.cpu(), acc.matmul(a, b, ins, compiled=False, **kwargs))

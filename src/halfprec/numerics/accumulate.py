@@ -15,11 +15,14 @@ each kind of operand (`KINDS`), and where the partial sum is promoted: added to 
 nearest) accumulator every `promote` values of K, as DeepSeek-V3 and TransformerEngine's split
 accumulator do, or per 128-value chunk where fp8_block's scales apply (DeepGEMM).
 
-Each chunk's alignment depends on the running sum, so the chunks of K are a loop; every output
-and product of a chunk are one vectorised step, a band of rows at a time to bound the temporaries:
-in fp64 (exact: the aligned terms are integers below 2^53), or for FP8's 13-bit instructions in
-fp32 and int32 (exact: their terms' sum stays below 2^24). The products' largest exponents, which
-do not depend on the running sum, are one batched GEMM per band (largest_exponents).
+Each instruction's alignment depends on the running sum, so the instructions of a partial sum are
+a loop; partial sums that start from zero (each promotion interval's) are independent, so side by
+side in one batch. An instruction is two steps over every output of a band of rows (numerics/fdpa.py:
+the products' largest exponent, a max-reduction over powers of two; then the products aligned,
+truncated and summed with the running sum): in fp64 (exact: the aligned terms are integers below
+2^53), or for FP8's 13-bit instructions in fp32 and int32 (exact: their terms' sum stays below 2^24).
+The steps run through torch.compile for a GEMM where that pays (COMPILE_PRODUCTS), one fused kernel
+each that never stores the products; else op by op, a band's products at a time.
 """
 
 from __future__ import annotations
@@ -29,16 +32,28 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from halfprec.errors import ConfigError
+from halfprec.numerics.fdpa import (
+    EAGER,
+    ZERO_EXPONENT,
+    Steps,
+    compiled_steps,
+    exponents,
+    keep,
+    power_of_two,
+    sum_exponent,
+)
 
 EXACT = "exact"
 # the kinds of GEMM an instruction is chosen for: fp8 elements (their scales applied to the output
 # or at promotion), bf16 values, MX elements of 6-8 bits with E8M0 block scales, 4-bit elements
 # with E8M0 or E4M3 block scales
 KINDS = ("fp8", "bf16", "mx", "fp4")
-ZERO_EXPONENT = -(2**14)  # an operand's zero: far below any product, so never the largest
-ROWS_VALUES = {"cpu": 2**18, "cuda": 2**26}  # temporaries' values per band of rows (M x N x k): a CPU's in cache
+ROWS_VALUES = {"cpu": 2**18, "cuda": 2**26}  # eager temporaries' values per band of rows (M x N x k): a CPU's in cache
+SUMS_VALUES = 2**24  # compiled: running sums per band (intervals x rows x N), the products never stored
+COMPILE_PRODUCTS = 2**24  # a GEMM's products from which compiling its steps pays (docs/benchmarks.md)
 
 
 @dataclass(frozen=True)
@@ -121,98 +136,38 @@ def instruction(acc: Accumulation, kind: str | None, gemm: str, key: str) -> Ins
     return acc.instructions[kind]
 
 
-def exponents(x: torch.Tensor, subnormal: int) -> torch.Tensor:
-    """floor(log2|x|) as int32, no lower than `subnormal` (an element's smallest normal exponent,
-    where its subnormals sit); a zero gets ZERO_EXPONENT."""
-    _, e = torch.frexp(x)
-    e = (e - 1).clamp_(min=subnormal)
-    return e.masked_fill_(x == 0, ZERO_EXPONENT)
+def largest_exponents(ea: torch.Tensor, eb: torch.Tensor, ins: Instruction, subnormals: tuple[int, int],
+                      steps: Steps = EAGER) -> torch.Tensor:  # fmt: skip
+    """The largest of ea[r, i] + eb[i, n] over each instruction's k values of i, at least e_zero
+    where a product is zero: chunks x R x N (int32), for a band's rows of ea (R x K) and eb (K x N),
+    no lower than `subnormals`. One batched GEMM of powers 2^(w e) (2^w > k: the sum of k of them,
+    however rounded, lies below the next power of 2^w, so its exponent names the largest exactly),
+    in fp32 or fp64 where they hold the exponents' span; else a max-reduction (fdpa.largest_exponent)."""
+    chunks = ea.shape[1] // ins.k
+    xa, xb = ea.unflatten(1, (chunks, ins.k)).transpose(0, 1), eb.unflatten(0, (chunks, ins.k))
+    za, zb = xa == ZERO_EXPONENT, xb == ZERO_EXPONENT
+    width = ins.k.bit_length()
+    da, db = (width * max(0, int(x.max()) - lo) for x, lo in ((xa, subnormals[0]), (xb, subnormals[1])))
+    dtype = next((d for d in (torch.float32, torch.float64) if da + db + width <= RANGE[d][1] - RANGE[d][0] + 1), None)
+    if dtype is None:
+        pa, pb = power_of_two(xa, torch.float64), power_of_two(xb, torch.float64)
+        return steps.largest(pa.masked_fill_(za, 0), pb.masked_fill_(zb, 0), ins.e_zero)
+    emin, emax = RANGE[dtype]
+    shift = max(0, db - emax)  # every power, and every product of two, a normal number
+    pa = power_of_two(width * (xa - subnormals[0]) + emin + shift, dtype).masked_fill_(za, 0)
+    pb = power_of_two(width * (xb - subnormals[1]) - shift, dtype).masked_fill_(zb, 0)
+    base = sum(subnormals)
+    nonzero = None if base >= ins.e_zero else (~za).to(dtype) @ (~zb).to(dtype)  # products below 2^e_zero
+    return steps.decode(pa @ pb, nonzero, ins.k, width, emin, base, ins.e_zero)
 
 
-def keep(value: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp64 `value` truncated toward zero to `bits` fraction bits (fp32's exponent range, its
-    subnormals below 2^-126), as fp32; -0 comes back +0."""
-    e = exponents(value, -126).clamp_(min=-126).double()
-    kept = torch.trunc(value * torch.exp2(bits - e)) * torch.exp2(e - bits)
-    return kept.float() + 0.0
+RANGE = {torch.float32: (-126, 127), torch.float64: (-1022, 1023)}  # normal exponents
 
 
 def normalised(x: torch.Tensor, subnormal: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x as m * 2^e (fp64, int32), 1 <= |m| < 2 but where x is subnormal (e = `subnormal`)."""
     e = exponents(x, subnormal).clamp_(min=subnormal)
     return x.double() * torch.exp2(-e.double()), e
-
-
-def sum_exponent(c: torch.Tensor, e_zero: int) -> torch.Tensor:
-    """The running sum's exponent in the alignment: fp32's (from its bits; -126 for subnormals),
-    e_zero for a zero."""
-    e = (c.view(torch.int32) >> 23).bitwise_and_(255).sub_(127).clamp_(min=-126)
-    return e.masked_fill_(c == 0, e_zero)
-
-
-def fdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, largest: torch.Tensor, ins: Instruction,
-         shift: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """One instruction on a band: c (R x N, fp32) + the k products of a (R x k) and b (k x N), element
-    values in fp64, or fp32 where that is exact (narrow: fdpa_narrow); `largest` (R x N, int32): the
-    products' largest exponent, at least e_zero where one is zero (largest_exponents); `shift` (R x N,
-    int32): the block scales' exponents, added to every product's (MXF8F6F4). MMA-Sim's T-FDPA / ST-FDPA."""
-    if a.dtype == torch.float32:
-        return fdpa_narrow(a, b, c, largest, ins)
-    if shift is not None:
-        largest = largest + shift
-    largest = torch.maximum(largest, sum_exponent(c, ins.e_zero))
-    lift = ins.fraction - largest if shift is None else ins.fraction - largest + shift
-    products = a.unsqueeze(1) * b.t().unsqueeze(0)  # R x N x k, exact in fp64
-    terms = products.mul_(torch.exp2(lift.double()).unsqueeze(-1)).trunc_().sum(-1)
-    terms += torch.trunc(c.double() * torch.exp2(ins.fraction - largest.double()))
-    return keep(terms * torch.exp2(largest.double() - ins.fraction), ins.kept)
-
-
-def fdpa_narrow(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, largest: torch.Tensor,
-                ins: Instruction) -> torch.Tensor:  # fmt: skip
-    """fdpa in fp32 and int32 (exact: narrow): the aligned terms truncated by the cast to int32,
-    summed as integers below 2^24, and the sum truncated to `kept` bits by clearing its low bits."""
-    largest = torch.maximum(largest, sum_exponent(c, ins.e_zero))
-    lift = power_of_two(ins.fraction - largest)  # beyond fp32's range only where all are zero
-    terms = (a.unsqueeze(1) * b.t().unsqueeze(0)).mul_(lift.unsqueeze(-1)).to(torch.int32).sum(-1, dtype=torch.int32)
-    terms += (c * lift).to(torch.int32)
-    total = terms.float().mul_(power_of_two(largest - ins.fraction))
-    low = (1 << (23 - ins.kept)) - 1  # fp32's fraction bits below `kept`, subnormals' too (keep's -126)
-    return total.view(torch.int32).bitwise_and_(~low).view(torch.float32) + 0.0
-
-
-def power_of_two(e: torch.Tensor) -> torch.Tensor:
-    """2^e in fp32 from its bits, e (int32) clamped to fp32's normal exponents."""
-    return ((e.clamp(-126, 127) + 127) << 23).view(torch.float32)
-
-
-def largest_exponents(ea: torch.Tensor, eb: torch.Tensor, ins: Instruction) -> torch.Tensor:
-    """The largest of ea[r, i] + eb[i, n] over each instruction's k values of i, at least e_zero
-    where a product is zero: chunks x R x N (int32), for a band's rows of ea (R x K) and eb (K x N).
-    One batched GEMM of powers 2^(w e) (2^w > k: the sum of k of them lies below the next power of
-    2^w, so its exponent names the largest exactly) where fp64 holds them; else elementwise."""
-    chunks = ea.shape[1] // ins.k
-    xa, xb = ea.reshape(-1, chunks, ins.k).transpose(0, 1), eb.reshape(chunks, ins.k, -1)
-    za, zb = xa == ZERO_EXPONENT, xb == ZERO_EXPONENT
-    nonzero = (~za).double() @ (~zb).double()
-    width = ins.k.bit_length()
-    lo_a, lo_b = low(xa, za), low(xb, zb)
-    span = width * (int(xa.max()) - lo_a + int(xb.max()) - lo_b + 1)
-    if span < 1000:  # 2^span within fp64's normal range
-        pa = torch.exp2((width * (xa - lo_a)).double()).masked_fill_(za, 0)
-        pb = torch.exp2((width * (xb - lo_b)).double()).masked_fill_(zb, 0)
-        sums = pa @ pb
-        e = (sums.view(torch.int64) >> 52).sub_(1023).int()  # sums are 0 or normal: their exponent's bits
-        largest = e.div_(width, rounding_mode="floor").add_(lo_a + lo_b)
-        largest = largest.masked_fill_(sums == 0, ZERO_EXPONENT)
-    else:
-        largest = (xa.unsqueeze(2) + xb.transpose(1, 2).unsqueeze(1)).amax(-1)
-    return torch.where(nonzero < ins.k, largest.clamp(min=ins.e_zero), largest)
-
-
-def low(e: torch.Tensor, zero: torch.Tensor) -> int:
-    """The smallest exponent of a nonzero element (0 where there is none)."""
-    return int(e.masked_fill(zero, 2**14).min()) if not bool(zero.all()) else 0
 
 
 def gfdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
@@ -241,7 +196,8 @@ def gfdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sa: torch.Tensor, s
 def matmul(a: torch.Tensor, b: torch.Tensor, ins: Instruction, subnormals: tuple[int, int] = (-126, -126),
            promote: int | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
            block: int = 32, scale_subnormal: int = -127,
-           factors: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+           factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+           compiled: bool | None = None) -> torch.Tensor:  # fmt: skip
     """a (M x K) @ b (K x N) in fp32 as successive `ins` sum it, from zero; every `promote` values
     of K (a multiple of ins.k) the partial sum is added to an fp32 accumulator (round to nearest)
     and the next one starts from zero; with `factors` (M x K/promote, K/promote x N) each partial is
@@ -250,31 +206,47 @@ def matmul(a: torch.Tensor, b: torch.Tensor, ins: Instruction, subnormals: tuple
     a and b hold element values (their subnormals below 2^`subnormals`); `scales`: their block
     scales along K (M x K/block, K/block x N; `block` a multiple of ins.group or ins.k): powers of
     two folded into the products' exponents (MXF8F6F4's blocks of 32, one per instruction), or
-    applied to each group's sum (4-bit: E8M0 or UE4M3 scales, `scale_subnormal` -6 for UE4M3)."""
+    applied to each group's sum (4-bit: E8M0 or UE4M3 scales, `scale_subnormal` -6 for UE4M3).
+    `compiled`: the instructions' steps through torch.compile (fdpa.py; the same bits); None: where
+    it pays, a GEMM of COMPILE_PRODUCTS products or more but for the 4-bit instructions."""
     m, k = a.shape
     pad = -k % (promote or ins.k)
     length = k + pad
     dtype = torch.float32 if narrow(ins, subnormals, scales) else torch.float64
     a, b = F.pad(a.to(dtype), (0, pad)), F.pad(b.to(dtype), (0, 0, 0, pad))
-    operands = Band(a, b, exponents(a, subnormals[0]), exponents(b, subnormals[1]), None, None, scale_subnormal)
+    ea, eb = exponents(a, subnormals[0]), exponents(b, subnormals[1])
+    operands = Band(a, b, ea, eb, None, None, scale_subnormal, subnormals)
     if scales is not None:  # one scale per group (4-bit) or per instruction
         per = ins.group or ins.k
         sa, sb = spread(scales[0], block // per, length // per, 1), spread(scales[1], block // per, length // per, 0)
         operands = operands._replace(sa=sa, sb=sb)
+    if compiled is None:
+        compiled = not ins.group and m * length * b.shape[1] >= COMPILE_PRODUCTS
+    # under a dispatch mode (the first step's FLOP counter) torch.compile runs its functions eagerly
+    compiled = compiled and _get_current_dispatch_mode() is None
     out = torch.empty(m, b.shape[1], dtype=torch.float32, device=a.device)
-    rows = max(1, ROWS_VALUES.get(a.device.type, ROWS_VALUES["cuda"]) // max(1, b.shape[1] * ins.k))
     step = promote or length
-    for r in range(0, m, rows):
-        band = slice(r, r + rows)
-        largest = None if ins.group else largest_exponents(operands.ea[band], operands.eb, ins)
+    intervals = length // step
+    for band in bands(m, b.shape[1] * intervals, ins.k, a.device, compiled):
+        sums = interval_sums(operands, band, ins, step, compiled_steps() if compiled else EAGER)
         total = None
-        for p in range(0, length, step):
-            c = partial(operands, band, range(p, p + step, ins.k), ins, largest)
-            chunk = None if factors is None else (factors[0][band, p // step], factors[1][p // step])
-            total = promoted(total, c, chunk)
+        for p in range(intervals):
+            chunk = None if factors is None else (factors[0][band, p], factors[1][p])
+            total = promoted(total, sums[p], chunk)
         assert total is not None
         out[band] = total
     return out
+
+
+def bands(m: int, width: int, k: int, device: torch.device, compiled: bool) -> list[slice]:
+    """The rows a step takes at once: eager, a band whose width x k products (each instruction's
+    temporaries) stay within ROWS_VALUES; compiled, whose running sums (width each row) stay within
+    SUMS_VALUES, the products never stored."""
+    if compiled:
+        rows = max(1, SUMS_VALUES // width)
+    else:
+        rows = max(1, ROWS_VALUES.get(device.type, ROWS_VALUES["cuda"]) // (width * k))
+    return [slice(r, r + rows) for r in range(0, m, rows)]
 
 
 def narrow(ins: Instruction, subnormals: tuple[int, int], scales: object) -> bool:
@@ -285,7 +257,8 @@ def narrow(ins: Instruction, subnormals: tuple[int, int], scales: object) -> boo
 
 
 class Band(NamedTuple):
-    """matmul's operands: elements in fp64, their exponents, the scales per group or instruction."""
+    """matmul's operands: elements in fp32 or fp64, their exponents, the scales per group or
+    instruction."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -294,25 +267,43 @@ class Band(NamedTuple):
     sa: torch.Tensor | None
     sb: torch.Tensor | None
     scale_subnormal: int
+    subnormals: tuple[int, int]
 
 
-def partial(o: Band, band: slice, starts: range, ins: Instruction, largest: torch.Tensor | None) -> torch.Tensor:
-    """The rows `band` of the sum of instructions beginning at `starts` along K, from zero; `largest`:
-    each instruction's products' largest exponent (largest_exponents), but for the 4-bit ones."""
+def interval_sums(o: Band, band: slice, ins: Instruction, step: int, steps: Steps) -> torch.Tensor:
+    """The rows `band` of each promotion interval's sum (`step` values of K), each from zero:
+    intervals x R x N. The intervals are independent, so side by side, one batch: only the
+    instructions within one are a loop (all of K's without promotion)."""
+    intervals, per = o.a.shape[1] // step, step // ins.k
+    if ins.group:  # 4-bit: an interval at a time
+        return torch.stack([partial(o, band, range(p, p + step, ins.k), ins) for p in range(0, o.a.shape[1], step)])
+
+    def split(x: torch.Tensor, dim: int) -> torch.Tensor:  # per x intervals x (R x k or k x N)
+        x = x.unflatten(dim, (intervals, per, ins.k))
+        return x.permute(2, 1, 0, 3).contiguous() if dim == 1 else x.transpose(0, 1).contiguous()
+
+    largest = largest_exponents(o.ea[band], o.eb, ins, o.subnormals, steps).unflatten(0, (intervals, per))
+    a, b = split(o.a[band], 1), split(o.b, 0)
+    shifts = None
+    if o.sa is not None and o.sb is not None:  # MXF8F6F4: each instruction's two E8M0 exponents
+        sa = exponents(o.sa[band], -127).unflatten(1, (intervals, per)).permute(2, 1, 0).unsqueeze(-1)
+        shifts = sa + exponents(o.sb, -127).unflatten(0, (intervals, per)).transpose(0, 1).unsqueeze(-2)
+    c = torch.zeros(intervals, a.shape[2], b.shape[3], dtype=torch.float32, device=o.a.device)
+    wide = o.a.dtype == torch.float64
+    for j in range(per):
+        shift = None if shifts is None else shifts[j]
+        aligned, lift = steps.align(c, largest[:, j], shift, ins.fraction, ins.e_zero, wide)
+        c = steps.advance(a[j], b[j], lift, c, aligned, ins.fraction, ins.kept)
+    return c
+
+
+def partial(o: Band, band: slice, starts: range, ins: Instruction) -> torch.Tensor:
+    """The rows `band` of the sum of the 4-bit instructions beginning at `starts` along K, from zero."""
+    assert o.sa is not None and o.sb is not None
     c = torch.zeros(o.a[band].shape[0], o.b.shape[1], dtype=torch.float32, device=o.a.device)
     for j in starts:
-        ks = slice(j, j + ins.k)
-        if ins.group:
-            assert o.sa is not None and o.sb is not None
-            g = slice(j // ins.group, (j + ins.k) // ins.group)
-            c = gfdpa(o.a[band, ks], o.b[ks], c, o.sa[band, g], o.sb[g], ins, o.scale_subnormal)
-            continue
-        assert largest is not None
-        shift = None
-        if o.sa is not None and o.sb is not None:
-            i = j // ins.k
-            shift = exponents(o.sa[band, i], -127).unsqueeze(1) + exponents(o.sb[i], -127).unsqueeze(0)
-        c = fdpa(o.a[band, ks], o.b[ks], c, largest[j // ins.k], ins, shift)
+        ks, g = slice(j, j + ins.k), slice(j // ins.group, (j + ins.k) // ins.group)
+        c = gfdpa(o.a[band, ks], o.b[ks], c, o.sa[band, g], o.sb[g], ins, o.scale_subnormal)
     return c
 
 
