@@ -257,3 +257,19 @@ def test_compiled_steps_on_a_gpu_equal_eager_ones_on_the_cpu(case, ins):
     on_gpu = {k: tuple(t.cuda() for t in v) if k in ("scales", "factors") else v for k, v in kwargs.items()}
     got = acc.matmul(a.cuda(), b.cuda(), ins, compiled=True, **on_gpu)
     assert torch.equal(got.cpu(), acc.matmul(a, b, ins, compiled=False, **kwargs))
+
+
+def test_the_first_steps_flop_counter_keeps_the_compiled_sums(monkeypatch):
+    """Under a dispatch mode (the first step's FLOP counter) torch.compile would run its functions op by
+    op, minutes for the default GPT's first step: the compiled steps still run, outside the mode, and
+    give the same bits."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.Generator().manual_seed(7)
+    a, b, kwargs = operands("hopper", g)
+    eager = acc.matmul(a, b, acc.WGMMA_FP8, compiled=False, **kwargs)
+    asked = []
+    monkeypatch.setattr(acc, "compiled_steps", lambda: asked.append(1) or acc.EAGER)  # the same steps, uncompiled
+    with FlopCounterMode(display=False):
+        assert torch.equal(acc.matmul(a, b, acc.WGMMA_FP8, compiled=True, **kwargs), eager)
+    assert asked

@@ -27,12 +27,13 @@ each that never stores the products; else op by op, a band's products at a time.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from halfprec.errors import ConfigError
 from halfprec.numerics.fdpa import (
@@ -222,10 +223,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, ins: Instruction, subnormals: tuple
         operands = operands._replace(sa=sa, sb=sb)
     if compiled is None:
         compiled = not ins.group and m * length * b.shape[1] >= COMPILE_PRODUCTS
-    # under a dispatch mode (the first step's FLOP counter) torch.compile runs its functions eagerly
-    compiled = compiled and _get_current_dispatch_mode() is None
+    # under a dispatch mode (the first step's FLOP counter) torch.compile would run its functions
+    # eagerly: the compiled sums run outside it (the model of one GEMM, not FLOPs of its own)
+    outside = _disable_current_modes() if compiled and _get_current_dispatch_mode() is not None else nullcontext()
+    with outside:
+        return summed(operands, m, ins, promote or length, factors, compiled)
+
+
+def summed(operands: Band, m: int, ins: Instruction, step: int,
+           factors: tuple[torch.Tensor, torch.Tensor] | None, compiled: bool) -> torch.Tensor:  # fmt: skip
+    """matmul's sums, a band of rows at a time: each `step` values of K from zero, then promoted."""
+    a, b = operands.a, operands.b
+    length = a.shape[1]
     out = torch.empty(m, b.shape[1], dtype=torch.float32, device=a.device)
-    step = promote or length
     intervals = length // step
     for band in bands(m, b.shape[1] * intervals, ins.k, a.device, compiled):
         sums = interval_sums(operands, band, ins, step, compiled_steps() if compiled else EAGER)
