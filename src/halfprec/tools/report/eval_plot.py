@@ -11,7 +11,7 @@ from halfprec.metrics import VAL_LOSS
 from halfprec.tools.report.columns import EVAL_LOSS, eval_losses
 from halfprec.tools.report.groups import group_jobs, is_seed, shown_overrides, spread
 from halfprec.tools.report.plots import plot_lines
-from halfprec.tools.report.runs import Job
+from halfprec.tools.report.runs import Job, safe_name
 from halfprec.tools.report.tables import Table
 
 
@@ -31,7 +31,7 @@ def write_eval_plots(jobs: list[Job], out: Path, where: str) -> list[Path]:
     for key in dict.fromkeys(k for job in jobs for k in eval_losses(job.rows)):
         entry = key[len(EVAL_LOSS) :]
         gap = f"{key} - {VAL_LOSS.name}"
-        path = out / f"eval_gap_{''.join(c if c.isalnum() or c in '-_' else '_' for c in entry)}.png"
+        path = out / f"eval_gap_{safe_name(entry)}.png"
         title = f"val/loss in {entry} above the run's own: {where}"
         if plot_lines([gap_job(job, key, gap) for job in jobs], gap, title, path, whole=True):
             images.append(path)

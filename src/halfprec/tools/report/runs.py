@@ -40,9 +40,14 @@ class Job:
     sort_key: tuple = field(default=(), repr=False)
 
 
+def safe_name(text: str) -> str:
+    """`text` made safe for a file name and a W&B key (no / or .)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)
+
+
 def file_id(job: Job) -> str:
-    """The job's id made safe for a file name and a W&B key (no / or .): the plots named after a job."""
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in job.id)
+    """The job's id made safe (safe_name): the plots named after a job."""
+    return safe_name(job.id)
 
 
 def is_run_dir(path: Path) -> bool:
